@@ -1,0 +1,139 @@
+"""One root config (`EngineConfig`) built from sections; every field documented once.
+
+The CLI flags (`pagoda serve --block-size ...`) and the Python API
+(`LLM(block_size=...)`) are the same names, mapped onto these sections by
+`EngineConfig.from_engine_args`. Everything is validated at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str | None = None
+    """Hugging Face Llama-family folder (config.json, *.safetensors, tokenizer). None = the bundled default model."""
+    dtype: str = "auto"
+    """Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) served; default: the model's max_position_embeddings."""
+    quantization: str | None = None
+    """Weight quantization method (not available yet: see the quantization issue)."""
+    seed: int = 0
+    """Seed of the global sampling generator (requests without their own seed)."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu or cuda."""
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization is not None:
+            raise ValueError(f"quantization {self.quantization!r} is not supported yet")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block (a power of two, 1..128)."""
+    kv_cache_memory: float | None = None
+    """KV-cache budget in GiB; default 2 GiB on CPU, 90% of free memory after profiling on CUDA."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks (tests use it to force preemption); overrides kv_cache_memory."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 128 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Most requests running in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decodes + prefill chunks)."""
+    long_prefill_token_threshold: int | None = None
+    """Longest prefill chunk of one request in one step; default: the whole budget."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError("long_prefill_token_threshold must be >= 1")
+
+
+@dataclass(slots=True)
+class KernelConfig:
+    kernel_backend: str = "auto"
+    """auto (Triton on CUDA, torch reference on CPU), torch, or triton (on CPU: the Triton interpreter)."""
+
+    def __post_init__(self) -> None:
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+
+    @classmethod
+    def from_engine_args(cls, **engine_args: Any) -> "EngineConfig":
+        """Map flat engine arguments (the CLI flag names) onto the sections."""
+        sections: dict[str, dict[str, Any]] = {f.name: {} for f in dataclasses.fields(cls)}
+        owner = {
+            fld.name: sec.name
+            for sec in dataclasses.fields(cls)
+            for fld in dataclasses.fields(sec.default_factory)  # type: ignore[arg-type]
+        }
+        for name, value in engine_args.items():
+            if name not in owner:
+                raise ValueError(f"unknown engine argument {name!r}; known: {sorted(owner)}")
+            if value is not None:
+                sections[owner[name]][name] = value
+        return cls(
+            model=ModelConfig(**sections["model"]),
+            cache=CacheConfig(**sections["cache"]),
+            scheduler=SchedulerConfig(**sections["scheduler"]),
+            kernel=KernelConfig(**sections["kernel"]),
+        )
