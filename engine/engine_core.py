@@ -1,0 +1,238 @@
+"""EngineCore: add/abort requests and `step()` - schedule, one forward pass, sample, update."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.default_model import resolve_model_path
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_bytes
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from kernels.ops import get_ops
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Cumulative timings; `1 - forward_time_s / step_time_s` is the engine's own overhead."""
+
+    num_steps: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    num_scheduled_tokens: int = 0
+
+    def reset(self) -> None:
+        self.num_steps, self.step_time_s, self.forward_time_s, self.num_scheduled_tokens = 0, 0.0, 0.0, 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, log: bool = True) -> None:
+        self.config = config
+        mc = config.model
+        self.device = mc.torch_device
+        self.dtype = mc.torch_dtype
+        self.model_path = resolve_model_path(mc.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+
+        # Positions the RoPE table must cover come from the model until max_model_len is known.
+        from engine.loader import load_hf_config
+        from engine.models.llama import ModelArgs
+
+        args = ModelArgs.from_hf_config(load_hf_config(self.model_path))
+        self.max_model_len = mc.max_model_len or args.max_position_embeddings
+        if self.max_model_len > args.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{args.max_position_embeddings}"
+            )
+        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
+        self.eos_token_id = _eos_token_id(self.model_path, self.tokenizer)
+
+        cc = config.cache
+        spec = KVCacheSpec.from_model(args, self.dtype, cc.block_size)
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        else:
+            num_blocks = spec.num_blocks_for_budget(kv_cache_budget_bytes(cc.kv_cache_memory, self.device))
+        if num_blocks < 1:
+            raise ValueError(f"the KV-cache budget holds no block of {spec.bytes_per_block} bytes; raise --kv-cache-memory")
+        self.kv_spec = spec
+        self.num_blocks = num_blocks
+        self.block_manager = BlockManager(num_blocks, cc.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        kv_caches = allocate_kv_cache(spec, num_blocks, self.device)
+        self.ops = get_ops(config.kernel.kernel_backend, self.device)
+        self.runner = ModelRunner(self.model, kv_caches, self.block_manager, self.ops, self.device)
+        self.sampler = Sampler(mc.seed)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self.debug_invariants = os.environ.get("PAGODA_DEBUG_INVARIANTS") == "1"
+        if log:
+            print(
+                f"[pagoda] model {self.model_path.name}: {args.num_hidden_layers} layers, "
+                f"{args.num_key_value_heads} KV heads x {args.head_dim}, {self.dtype}, {self.device}; "
+                f"KV cache: {spec.bytes_per_token} bytes/token, {num_blocks} blocks x {cc.block_size} tokens "
+                f"= {num_blocks * cc.block_size} tokens max ({num_blocks * spec.bytes_per_block / 2**30:.2f} GiB)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a single-sample request (n > 1 is fanned out above this layer)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        num_prompt = len(prompt_token_ids)
+        room = self.max_model_len - num_prompt
+        if room < 0 or (params.max_tokens is not None and params.max_tokens > room):
+            wanted = num_prompt + (params.max_tokens or 0)
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{wanted} were requested ({num_prompt} in the prompt, {params.max_tokens} to generate)"
+            )
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        # A request whose whole sequence cannot fit the cache even alone would wait forever.
+        needed = self.block_manager.blocks_needed(num_prompt + max_tokens)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"the request needs {needed} KV blocks for {num_prompt + max_tokens} tokens but the cache "
+                f"has only {self.num_blocks}; lower max_tokens or raise --kv-cache-memory"
+            )
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, max_tokens)
+        request.detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        with torch.inference_mode():
+            t1 = time.perf_counter()
+            logits = self.runner.execute(sched)
+            t2 = time.perf_counter()
+            sampling = [r for r, n in zip(sched.scheduled, sched.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens]
+            sampled = self.sampler(logits, sampling) if sampling else None
+        outputs = self._update(sched, sampling, sampled)
+        if self.debug_invariants:
+            self.block_manager.check_invariants()
+        t3 = time.perf_counter()
+        st = self.stats
+        st.num_steps += 1
+        st.step_time_s += t3 - t0
+        st.forward_time_s += t2 - t1
+        st.num_scheduled_tokens += sched.total_num_scheduled_tokens
+        return outputs
+
+    def _update(self, sched, sampling: list[Request], sampled) -> list[RequestOutput]:
+        for request, n in zip(sched.scheduled, sched.num_scheduled_tokens):
+            request.num_computed_tokens += n
+        outputs = []
+        now = time.monotonic()
+        for i, request in enumerate(sampling):
+            if request.max_tokens == 0:
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                outputs.append(self._make_output(request))
+                continue
+            token = sampled.token_ids[i]
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if sampled.logprobs[i] is not None:
+                request.logprobs.append(self._decode_logprobs(sampled.logprobs[i]))
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+            outputs.append(self._make_output(request))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        p = request.sampling_params
+        n = request.num_output_tokens
+        if n >= p.min_tokens:
+            if token == request.eos_token_id and not p.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.detokenizer is not None:
+            stop_str = request.detokenizer.update([token])
+            if stop_str is not None:
+                request.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if n >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        del self.requests[request.request_id]
+
+    def _decode_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        return {
+            t: Logprob(v, r, self.tokenizer.decode([t]))
+            for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks)
+        }
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        text = request.detokenizer.output_text if request.detokenizer is not None else ""
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            logprobs=request.logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=None,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+        )
+
+
+def _eos_token_id(model_path, tokenizer) -> int | None:
+    from transformers import AutoConfig
+
+    eos = getattr(AutoConfig.from_pretrained(str(model_path)), "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if eos is not None else tokenizer.eos_token_id

@@ -1,0 +1,77 @@
+"""One forward pass per step over every scheduled token of every request, flattened."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.block_manager import BlockManager
+from engine.models.llama import LlamaForCausalLM
+from engine.scheduler import SchedulerOutput
+from kernels.ops import KernelOps
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_manager: BlockManager,
+        ops: KernelOps,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_manager = block_manager
+        self.ops = ops
+        self.device = device
+        self.block_size = block_manager.block_size
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        logits_indices: list[int] = []
+        tables: list[list[int]] = []
+        for request, n in zip(sched.scheduled, sched.num_scheduled_tokens):
+            start = request.num_computed_tokens
+            end = start + n
+            if n == 1 and end == request.num_tokens:
+                # A decode: the newest token is the last output token.
+                input_ids.append(request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1])
+            else:
+                input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = self.block_manager.get_block_table(request.request_id)
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            tables.append(table)
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + n)
+            if end == request.num_tokens:
+                logits_indices.append(query_start_loc[-1] - 1)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
+        for i, table in enumerate(tables):
+            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            block_tables=block_tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+        )
+
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Run the step; returns logits [num_sampling_requests, vocab] in `scheduled` order."""
+        input_ids, positions, meta = self.prepare(sched)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.ops)
+        return self.model.compute_logits(hidden)

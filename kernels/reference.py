@@ -1,0 +1,96 @@
+"""Torch reference ops: the semantics every Triton kernel is tested against, and the CPU path.
+
+Shapes (per layer):
+  key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  block_tables:           [num_seqs, max_blocks_per_seq] int32, padded with 0
+  seq_lens:               [num_seqs] int32, tokens in the cache after this step's writes
+  query_start_loc:        [num_seqs + 1] int32, prefix sums of the query lengths
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset
+) -> None:
+    """Scatter this step's K/V into their cache slots."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = key
+    value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = value
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Varlen causal attention of each sequence's new query tokens over its paged context.
+
+    Query token i of a sequence with q_len new tokens and seq_len cached tokens sits at
+    position seq_len - q_len + i and attends to positions 0..that position. Decodes
+    (q_len == 1) and prefill chunks (q_len > 1, possibly after cached tokens) are the
+    same formula; the reference batches the decodes and loops over the rest.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+
+    decode_seqs = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode_seqs:
+        if len(decode_seqs) == len(q_lens):
+            rows = torch.arange(len(q_lens))
+            token_idx = query_start_loc[:-1].long()
+        else:
+            rows = torch.tensor(decode_seqs)
+            token_idx = torch.tensor([starts[i] for i in decode_seqs])
+        max_len = max(lens[i] for i in decode_seqs)
+        num_blocks = (max_len + block_size - 1) // block_size
+        tables = block_tables[rows, :num_blocks].long()
+        b = len(decode_seqs)
+        # [b, ctx, kv_heads, d] -> [b, kv_heads, d, ctx] for keys, [b, kv_heads, ctx, d] for values
+        k = key_cache[tables].view(b, num_blocks * block_size, num_kv_heads, head_dim)
+        v = value_cache[tables].view(b, num_blocks * block_size, num_kv_heads, head_dim)
+        q = query[token_idx].view(b, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q.float() * scale, k.permute(0, 2, 3, 1).float())  # [b, kv, g, ctx]
+        positions = torch.arange(num_blocks * block_size)
+        ctx_lens = seq_lens[rows].to(torch.long)
+        scores.masked_fill_((positions[None, :] >= ctx_lens[:, None])[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [b, kv, g, d]
+        out[token_idx] = o.reshape(b, num_heads, head_dim).to(out.dtype)
+
+    for i, q_len in enumerate(q_lens):
+        if q_len == 1 or q_len == 0:
+            continue
+        ctx = lens[i]
+        num_blocks = (ctx + block_size - 1) // block_size
+        table = block_tables[i, :num_blocks].long()
+        k = key_cache[table].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        v = value_cache[table].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        q = query[starts[i] : starts[i + 1]]
+        # [kv, g, q_len, d] x [kv, 1, d, ctx]
+        qh = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).float()
+        scores = torch.matmul(qh * scale, k.permute(1, 2, 0).float().unsqueeze(1))
+        q_pos = torch.arange(ctx - q_len, ctx)
+        mask = torch.arange(ctx)[None, :] > q_pos[:, None]  # [q_len, ctx]
+        scores.masked_fill_(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v.permute(1, 0, 2).float().unsqueeze(1))  # [kv, g, q_len, d]
+        out[starts[i] : starts[i + 1]] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(out.dtype)
+    return out

@@ -1,0 +1,1 @@
+"""Load tests and benchmarks: serving client, peer runner, reports, engine benches."""
