@@ -130,7 +130,8 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])
         ranks = torch.arange(vocab)
         sorted_logits.masked_fill_(ranks[None, :] >= ks[:, None], float("-inf"))
-        ps = torch.tensor(top_ps, dtype=logits.dtype)
+        # Rows without top-p get an unreachable threshold: float cumsum can exceed 1.0.
+        ps = torch.tensor([p if p < 1.0 else float("inf") for p in top_ps], dtype=logits.dtype)
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token once the mass before it already reaches top_p; the first always stays.
         mass_before = probs.cumsum(dim=-1) - probs

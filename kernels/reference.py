@@ -69,9 +69,11 @@ def paged_attention(
         q = query[token_idx].view(b, num_kv_heads, group, head_dim)
         scores = torch.matmul(q.float() * scale, k.permute(0, 2, 3, 1).float())  # [b, kv, g, ctx]
         positions = torch.arange(num_blocks * block_size)
-        ctx_lens = seq_lens[rows].to(torch.long)
-        scores.masked_fill_((positions[None, :] >= ctx_lens[:, None])[:, None, None, :], float("-inf"))
+        invalid = positions[None, :] >= seq_lens[rows].to(torch.long)[:, None]  # [b, ctx]
+        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        # Slots past a sequence's end hold stale data (maybe inf/nan): 0 * inf would be nan.
+        v.masked_fill_(invalid[:, :, None, None], 0.0)
         o = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [b, kv, g, d]
         out[token_idx] = o.reshape(b, num_heads, head_dim).to(out.dtype)
 

@@ -1,0 +1,1 @@
+"""Pagoda HTTP edge: OpenAI protocol, errors, SSE, metrics, CLI."""
