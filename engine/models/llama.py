@@ -16,7 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from kernels.linear import linear
 from kernels.ops import KernelOps
+
+# Checkpoint tensors that load into a slice of a fused parameter: (fused name, shard index).
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 @dataclass(slots=True)
@@ -113,6 +123,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+class Linear(nn.Module):
+    """`x @ weight.T + bias`; `out_features` as a list makes a fused layer of row shards."""
+
+    def __init__(self, in_features: int, out_features: int | list[int], bias: bool) -> None:
+        super().__init__()
+        self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
+        total = sum(self.shard_sizes)
+        self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
+
+    def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
+        start = sum(self.shard_sizes[:index])
+        return param.narrow(0, start, self.shard_sizes[index])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -135,10 +163,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(args.hidden_size, self.q_size, bias=args.attention_bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.kv_size, bias=args.attention_bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.kv_size, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.attention_bias)
+        # One GEMM for Q, K and V; the checkpoint's q/k/v_proj load into its row shards.
+        self.qkv_proj = Linear(args.hidden_size, [self.q_size, self.kv_size, self.kv_size], args.attention_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, args.attention_bias)
 
     def forward(
         self,
@@ -150,9 +177,10 @@ class Attention(nn.Module):
         ops: KernelOps,
     ) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -165,12 +193,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = Linear(args.hidden_size, [args.intermediate_size] * 2, args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -192,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
         self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(args, max_positions)
