@@ -6,6 +6,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import AutoTokenizer
@@ -21,8 +22,13 @@ from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stats import FinishedRequestStats, StepStats
 from kernels.ops import get_ops
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt (+ max_tokens) does not fit the model's context."""
 
 
 @dataclass(slots=True)
@@ -80,6 +86,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.debug_invariants = os.environ.get("PAGODA_DEBUG_INVARIANTS") == "1"
+        # Called after every step (and abort) with that step's StepStats; the server's
+        # metrics hook. None skips building them.
+        self.on_step: Callable[[StepStats], None] | None = None
         if log:
             print(
                 f"[pagoda] model {self.model_path.name}: {args.num_hidden_layers} layers, "
@@ -91,10 +100,12 @@ class EngineCore:
             )
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a single-sample request (n > 1 is fanned out above this layer)."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the limits; returns its resolved max_tokens.
+
+        Reads only immutable configuration, so the server calls it from any thread to turn
+        a bad request into an error before it reaches the engine loop.
+        """
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         vocab = self.model.args.vocab_size
@@ -103,10 +114,10 @@ class EngineCore:
         num_prompt = len(prompt_token_ids)
         room = self.max_model_len - num_prompt
         if room < 0 or (params.max_tokens is not None and params.max_tokens > room):
-            wanted = num_prompt + (params.max_tokens or 0)
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{wanted} were requested ({num_prompt} in the prompt, {params.max_tokens} to generate)"
+                f"{num_prompt + (params.max_tokens or 0)} were requested ({num_prompt} in the prompt, "
+                f"{params.max_tokens} to generate)"
             )
         max_tokens = room if params.max_tokens is None else params.max_tokens
         # A request whose whole sequence cannot fit the cache even alone would wait forever.
@@ -116,6 +127,13 @@ class EngineCore:
                 f"the request needs {needed} KV blocks for {num_prompt + max_tokens} tokens but the cache "
                 f"has only {self.num_blocks}; lower max_tokens or raise --kv-cache-memory"
             )
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a single-sample request (n > 1 is fanned out above this layer)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, max_tokens)
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
@@ -128,10 +146,15 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return None
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        stats = None
+        if self.on_step is not None:
+            stats = StepStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, kv_cache_tail_waste_tokens=0, num_scheduled_tokens=0)
+        self._finish(request, RequestStatus.FINISHED_ABORTED, stats)
+        if stats is not None:
+            self._report(stats)
         return self._make_output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -140,16 +163,18 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        preemptions_before = self.scheduler.num_preemptions
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        stats = self._new_step_stats(sched) if self.on_step is not None else None
         with torch.inference_mode():
             t1 = time.perf_counter()
             logits = self.runner.execute(sched)
             t2 = time.perf_counter()
             sampling = [r for r, n in zip(sched.scheduled, sched.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens]
             sampled = self.sampler(logits, sampling) if sampling else None
-        outputs = self._update(sched, sampling, sampled)
+        outputs = self._update(sched, sampling, sampled, stats)
         if self.debug_invariants:
             self.block_manager.check_invariants()
         t3 = time.perf_counter()
@@ -158,27 +183,54 @@ class EngineCore:
         st.step_time_s += t3 - t0
         st.forward_time_s += t2 - t1
         st.num_scheduled_tokens += sched.total_num_scheduled_tokens
+        if stats is not None:
+            stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
+            self._report(stats)
         return outputs
 
-    def _update(self, sched, sampling: list[Request], sampled) -> list[RequestOutput]:
+    def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
+        return StepStats(
+            num_running=0, num_waiting=0, kv_cache_usage=0.0, kv_cache_tail_waste_tokens=0,
+            num_scheduled_tokens=sched.total_num_scheduled_tokens,
+        )
+
+    def _report(self, stats: StepStats) -> None:
+        """Fill the gauges from the state after the step and hand the stats to on_step."""
+        stats.num_running = len(self.scheduler.running)
+        stats.num_waiting = len(self.scheduler.waiting)
+        stats.kv_cache_usage = self.block_manager.usage
+        stats.kv_cache_tail_waste_tokens = sum(
+            self.block_manager.tail_waste(r.request_id, r.num_computed_tokens) for r in self.scheduler.running
+        )
+        self.on_step(stats)
+
+    def _update(self, sched, sampling: list[Request], sampled, stats: StepStats | None) -> list[RequestOutput]:
         for request, n in zip(sched.scheduled, sched.num_scheduled_tokens):
             request.num_computed_tokens += n
         outputs = []
         now = time.monotonic()
         for i, request in enumerate(sampling):
             if request.max_tokens == 0:
-                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                self._finish(request, RequestStatus.FINISHED_LENGTH, stats)
                 outputs.append(self._make_output(request))
                 continue
             token = sampled.token_ids[i]
             request.output_token_ids.append(token)
+            if stats is not None:
+                stats.num_generation_tokens += 1
+                if request.first_token_time is None:
+                    stats.num_prompt_tokens += request.num_prompt_tokens
+                    stats.time_to_first_token_s.append(now - request.arrival_time)
+                elif request.last_token_time is not None:
+                    stats.inter_token_latency_s.append(now - request.last_token_time)
             if request.first_token_time is None:
                 request.first_token_time = now
+            request.last_token_time = now
             if sampled.logprobs[i] is not None:
                 request.logprobs.append(self._decode_logprobs(sampled.logprobs[i]))
             status = self._check_stop(request, token)
             if status is not None:
-                self._finish(request, status)
+                self._finish(request, status, stats)
             outputs.append(self._make_output(request))
         return outputs
 
@@ -200,9 +252,21 @@ class EngineCore:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus, stats: StepStats | None = None) -> None:
         self.scheduler.finish(request, status)
         del self.requests[request.request_id]
+        if stats is not None:
+            now = time.monotonic()
+            queued = None if request.first_scheduled_time is None else request.first_scheduled_time - request.arrival_time
+            stats.finished.append(
+                FinishedRequestStats(
+                    finish_reason=status.finish_reason or "abort",
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_generation_tokens=request.num_output_tokens,
+                    e2e_latency_s=now - request.arrival_time,
+                    queue_time_s=queued,
+                )
+            )
 
     def _decode_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         return {
@@ -211,7 +275,9 @@ class EngineCore:
         }
 
     def _make_output(self, request: Request) -> RequestOutput:
-        text = request.detokenizer.output_text if request.detokenizer is not None else ""
+        detok = request.detokenizer
+        text = detok.output_text if detok is not None else ""
+        delta = detok.get_delta_text(request.is_finished) if detok is not None else ""
         completion = CompletionOutput(
             index=0,
             text=text,
@@ -219,6 +285,7 @@ class EngineCore:
             logprobs=request.logprobs,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
+            delta_text=delta,
         )
         return RequestOutput(
             request_id=request.request_id,

@@ -26,6 +26,9 @@ class CompletionOutput:
     """None while running; "stop", "length" or "abort" at the end."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended it, None for EOS or length."""
+    delta_text: str = ""
+    """Text that became safe to show since the previous output of this request (held-back
+    stop-string prefixes and partial UTF-8 excluded until resolved): what streams send."""
 
     @property
     def finished(self) -> bool:

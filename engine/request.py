@@ -61,6 +61,7 @@ class Request:
     detokenizer: "IncrementalDetokenizer | None" = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:

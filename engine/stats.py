@@ -1,0 +1,33 @@
+"""What one engine step reports for metrics; the server turns it into Prometheus series."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency_s: float
+    queue_time_s: float | None
+    """Arrival to first scheduled; None if it never ran (aborted while waiting)."""
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    """Fraction of KV blocks in use, 0..1."""
+    kv_cache_tail_waste_tokens: int
+    """Allocated but unused slots in the last block of every running request."""
+    num_scheduled_tokens: int
+    num_prompt_tokens: int = 0
+    """Prompt tokens of requests that produced their first token this step."""
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    time_to_first_token_s: list[float] = field(default_factory=list)
+    inter_token_latency_s: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
