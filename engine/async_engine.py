@@ -131,6 +131,8 @@ class AsyncEngine:
                     completion = out.outputs[0]
                     completion.index = children.index(out.request_id)
                     merged.outputs.append(completion)
+                    if out.prompt_logprobs is not None and merged.prompt_logprobs is None:
+                        merged.prompt_logprobs = out.prompt_logprobs
                     if out.finished:
                         pending.discard(out.request_id)
                         self._forget(out.request_id)

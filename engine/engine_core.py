@@ -20,7 +20,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, TokenLogprobs
+from engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import FinishedRequestStats, StepStats
@@ -173,6 +173,9 @@ class EngineCore:
             logits = self.runner.execute(sched)
             t2 = time.perf_counter()
             sampling = [r for r, n in zip(sched.scheduled, sched.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens]
+            if self.runner.prompt_rows:
+                self._record_prompt_logprobs(logits[len(sampling):])
+                logits = logits[: len(sampling)]
             sampled = self.sampler(logits, sampling) if sampling else None
         outputs = self._update(sched, sampling, sampled, stats)
         if self.debug_invariants:
@@ -234,6 +237,13 @@ class EngineCore:
             outputs.append(self._make_output(request))
         return outputs
 
+    def _record_prompt_logprobs(self, logits: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        for row, (request, target) in zip(logprobs, self.runner.prompt_rows):
+            k = request.sampling_params.prompt_logprobs
+            token = request.prompt_token_ids[target]
+            request.prompt_logprobs.append(self._decode_logprobs(token_logprobs(row, token, k)))
+
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         p = request.sampling_params
         n = request.num_output_tokens
@@ -293,6 +303,7 @@ class EngineCore:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=request.is_finished,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
 

@@ -64,6 +64,8 @@ class LLM:
                         completion = out.outputs[0]
                         completion.index = j
                         results[i].outputs[j] = completion
+                        if j == 0:
+                            results[i].prompt_logprobs = out.prompt_logprobs
                         pending -= 1
         finally:
             for child_id in children:

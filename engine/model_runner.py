@@ -7,6 +7,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.models.llama import LlamaForCausalLM
+from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from kernels.ops import KernelOps
 
@@ -26,6 +27,7 @@ class ModelRunner:
         self.ops = ops
         self.device = device
         self.block_size = block_manager.block_size
+        self.prompt_rows: list[tuple[Request, int]] = []  # of the last prepared step
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.block_size
@@ -35,6 +37,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_start_loc = [0]
         logits_indices: list[int] = []
+        # Prompt-logprob rows go after the sampling rows: (request, flat row, target position).
+        prompt_rows: list[tuple[Request, int, int]] = []
         tables: list[list[int]] = []
         for request, n in zip(sched.scheduled, sched.num_scheduled_tokens):
             start = request.num_computed_tokens
@@ -52,6 +56,12 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
             if end == request.num_tokens:
                 logits_indices.append(query_start_loc[-1] - 1)
+            if request.prompt_logprobs is not None:
+                # Position p predicts token p + 1; recomputed positions (after preemption) are skipped.
+                first = max(start, len(request.prompt_logprobs) - 1)
+                base = query_start_loc[-2] - start
+                for p in range(first, min(end, request.num_prompt_tokens - 1)):
+                    prompt_rows.append((request, base + p, p + 1))
         max_blocks = max(len(t) for t in tables)
         block_tables = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
         for i, table in enumerate(tables):
@@ -62,8 +72,9 @@ class ModelRunner:
             block_tables=block_tables.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_indices + [row for _, row, _ in prompt_rows], dtype=torch.int64, device=dev),
         )
+        self.prompt_rows = [(request, target) for request, _, target in prompt_rows]
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -71,7 +82,8 @@ class ModelRunner:
         )
 
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Run the step; returns logits [num_sampling_requests, vocab] in `scheduled` order."""
+        """Run the step; returns logits [num_sampling_requests, vocab] in `scheduled` order,
+        followed by one row per entry of `self.prompt_rows` (prompt logprobs)."""
         input_ids, positions, meta = self.prepare(sched)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.ops)
         return self.model.compute_logits(hidden)

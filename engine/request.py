@@ -57,6 +57,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     logprobs: "SampleLogprobs | None" = None
+    prompt_logprobs: list | None = None
+    """One entry per prompt token (None for the first); filled chunk by chunk during prefill."""
     generator: torch.Generator | None = None
     detokenizer: "IncrementalDetokenizer | None" = None
     first_scheduled_time: float | None = None
@@ -69,6 +71,8 @@ class Request:
             self.generator.manual_seed(self.sampling_params.seed)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -64,11 +64,11 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:
             for j, i in enumerate(want_logprobs):
-                logprobs[i] = _token_logprobs(raw_logprobs[j], sampled[i], requests[i].sampling_params.logprobs)
+                logprobs[i] = token_logprobs(raw_logprobs[j], sampled[i], requests[i].sampling_params.logprobs)
         return SamplerOutput(sampled, logprobs)
 
 
-def _token_logprobs(row: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
+def token_logprobs(row: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
     value = row[token_id]
     rank = int((row > value).sum()) + 1
     ids, values, ranks = [token_id], [float(value)], [rank]

@@ -32,6 +32,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    """Logprob of every prompt token after the first (plus top-k alternatives): echo/perplexity."""
     """Number of top alternatives returned with each sampled token's logprob (0 = only the sampled one)."""
     skip_special_tokens: bool = True
 
@@ -66,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if self.logit_bias:

@@ -129,3 +129,26 @@ def test_abort_frees_blocks_mid_generation(llm):
     assert core.abort_request("abort-0") is None
     assert not core.has_unfinished_requests()
     assert _free(llm)
+
+
+@pytest.mark.parametrize("budget", [512, 7], ids=["whole-prompt", "chunked-prefill"])
+def test_prompt_logprobs_equal_hf_forward(tiny_model_path, budget):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(model=str(tiny_model_path), max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=budget)
+    prompt = llm.tokenizer.encode("The history of tea spans several millennia and many cultures.")
+    out = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        token = prompt[pos]
+        assert entry[token].logprob == pytest.approx(expected[pos - 1, token].item(), abs=1e-4)
+        top2 = torch.topk(expected[pos - 1], 2).indices.tolist()
+        assert set(top2) <= set(entry), f"position {pos}"
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    assert _free(llm)
