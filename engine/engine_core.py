@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -65,7 +66,10 @@ class EngineCore:
                 f"{args.max_position_embeddings}"
             )
         self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
-        self.eos_token_id = _eos_token_id(self.model_path, self.tokenizer)
+        eos_ids = _eos_token_ids(self.model_path, self.tokenizer)
+        self.eos_token_id = eos_ids[0] if eos_ids else None
+        # Llama-3-style configs list several end tokens; the rest stop like stop_token_ids.
+        self.extra_eos_token_ids = eos_ids[1:]
 
         cc = config.cache
         spec = KVCacheSpec.from_model(args, self.dtype, cc.block_size)
@@ -134,6 +138,9 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, max_tokens)
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
@@ -307,10 +314,19 @@ class EngineCore:
         )
 
 
-def _eos_token_id(model_path, tokenizer) -> int | None:
-    from transformers import AutoConfig
+def _eos_token_ids(model_path, tokenizer) -> list[int]:
+    """End-of-sequence ids: generation_config, then config, then the tokenizer's."""
+    from transformers import AutoConfig, GenerationConfig
 
-    eos = getattr(AutoConfig.from_pretrained(str(model_path)), "eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos if eos is not None else tokenizer.eos_token_id
+    eos = None
+    try:
+        eos = GenerationConfig.from_pretrained(str(model_path)).eos_token_id
+    except OSError:  # no generation_config.json
+        pass
+    if eos is None:
+        eos = getattr(AutoConfig.from_pretrained(str(model_path)), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(t) for t in eos] if isinstance(eos, (list, tuple)) else [int(eos)]

@@ -152,3 +152,20 @@ def test_prompt_logprobs_equal_hf_forward(tiny_model_path, budget):
         assert set(top2) <= set(entry), f"position {pos}"
     assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
     assert _free(llm)
+
+
+def test_every_eos_id_of_the_generation_config_stops(tiny_model_path, tmp_path, llm):
+    import json
+    import shutil
+
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = llm.generate(["1 2 3"], params)[0].outputs[0].token_ids
+    second_eos = full[3]
+    folder = tmp_path / "multi-eos"
+    shutil.copytree(tiny_model_path, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, second_eos]}))
+    multi = LLM(model=str(folder), max_model_len=256, num_gpu_blocks_override=64)
+    out = multi.generate(["1 2 3"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert out.token_ids == full[: full.index(second_eos) + 1] and out.finish_reason == "stop"
+    ignored = multi.generate(["1 2 3"], params)[0].outputs[0]
+    assert ignored.token_ids == full
