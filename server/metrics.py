@@ -1,0 +1,187 @@
+"""Prometheus metrics for the server (names follow vLLM's, prefix ``pagoda:``).
+
+The engine loop hands a :class:`engine.stats.StepStats` to :meth:`Metrics.on_step`
+after every step and every abort; HTTP handlers call :meth:`record_client_disconnect`;
+``GET /metrics`` serves :meth:`render`.
+
+prometheus_client appends ``_total`` to counter names in the exposition, so the
+counter declared as ``pagoda:prompt_tokens`` is scraped as ``pagoda:prompt_tokens_total``
+(as vLLM's ``vllm:prompt_tokens_total``). Every series carries a ``model_name`` label.
+All prometheus_client metric objects are thread-safe, so the engine thread may record
+while the event loop renders.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from engine.stats import StepStats
+
+PREFIX = "pagoda:"
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Bucket boundaries as in vLLM (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]
+ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to and including ``max_value`` (vLLM's helper)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class Metrics:
+    """All of Pagoda's Prometheus series, in one registry (a fresh one by default)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        max_model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        iteration_buckets = build_1_2_5_buckets(max_num_batched_tokens or max_model_len)
+
+        reg = self.registry
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, labels, registry=reg, buckets=buckets
+            ).labels(model_name)
+
+        # Gauges: the state after the last step.
+        self.num_requests_running = gauge(
+            "num_requests_running", "Number of requests in the running batch.")
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Number of requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (0..1).")
+        self.kv_cache_tail_waste_tokens = gauge(
+            "kv_cache_tail_waste_tokens",
+            "Allocated but unused KV slots in the last block of every running request.")
+
+        # Counters.
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Number of prefill (prompt) tokens processed.")
+        self.generation_tokens = counter(
+            "generation_tokens", "Number of generation tokens produced.")
+        self.num_preemptions = counter(
+            "num_preemptions", "Cumulative number of request preemptions.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix-cache queries, in tokens.")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prefix-cache hits, in tokens.")
+        self.http_requests_client_disconnected = counter(
+            "http_requests_client_disconnected",
+            "HTTP requests whose client disconnected before the response finished.")
+        self._request_success = Counter(
+            PREFIX + "request_success", "Count of finished requests by finish reason.",
+            ["model_name", "finished_reason"], registry=reg)
+        for reason in FINISH_REASONS:  # expose zeros from the start
+            self._request_success.labels(model_name, reason)
+
+        # Histograms.
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to first token, seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens, seconds.",
+            ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency, seconds.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Time from arrival to first scheduled, seconds.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", token_buckets)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.",
+            token_buckets)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens scheduled per engine step.", iteration_buckets)
+
+    # --- recording -------------------------------------------------------------------
+
+    def on_step(self, stats: StepStats) -> None:
+        """Record one engine step (or abort report). Called from the engine-loop thread."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(min(max(stats.kv_cache_usage, 0.0), 1.0))
+        self.kv_cache_tail_waste_tokens.set(stats.kv_cache_tail_waste_tokens)
+
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions)
+        if stats.num_scheduled_tokens > 0:
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+
+        for ttft in stats.time_to_first_token_s:
+            self.time_to_first_token.observe(ttft)
+        for itl in stats.inter_token_latency_s:
+            self.inter_token_latency.observe(itl)
+
+        for req in stats.finished:
+            self._request_success.labels(self.model_name, req.finish_reason).inc()
+            self.e2e_request_latency.observe(req.e2e_latency_s)
+            if req.queue_time_s is not None:
+                self.request_queue_time.observe(req.queue_time_s)
+            self.request_prompt_tokens.observe(req.num_prompt_tokens)
+            self.request_generation_tokens.observe(req.num_generation_tokens)
+
+    def record_prefix_cache(self, queries: int, hits: int) -> None:
+        """Prefix-cache lookups (in tokens) and how many of them hit."""
+        if queries:
+            self.prefix_cache_queries.inc(queries)
+        if hits:
+            self.prefix_cache_hits.inc(hits)
+
+    def record_client_disconnect(self) -> None:
+        self.http_requests_client_disconnected.inc()
+
+    # --- exposition ------------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """The body and Content-Type for ``GET /metrics``."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
