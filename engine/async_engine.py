@@ -36,6 +36,8 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
+    fork_of: str | None = None
 
 
 @dataclass(slots=True)
@@ -92,7 +94,7 @@ class AsyncEngine:
         return self.core.validate(prompt_token_ids, params)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step in which any of the n samples advanced.
 
@@ -113,7 +115,8 @@ class AsyncEngine:
         for j, child in enumerate(children):
             self._streams[child] = stream
             self.num_unfinished += 1
-            self._inbox.put(_Add(child, list(prompt_token_ids), child_params(params, j)))
+            fork_of = children[0] if j else None
+            self._inbox.put(_Add(child, list(prompt_token_ids), child_params(params, j), cache_salt, fork_of))
         pending = set(children)
         try:
             while pending:
@@ -131,8 +134,9 @@ class AsyncEngine:
                     completion = out.outputs[0]
                     completion.index = children.index(out.request_id)
                     merged.outputs.append(completion)
-                    if out.prompt_logprobs is not None and merged.prompt_logprobs is None:
+                    if completion.index == 0:
                         merged.prompt_logprobs = out.prompt_logprobs
+                        merged.num_cached_tokens = out.num_cached_tokens
                     if out.finished:
                         pending.discard(out.request_id)
                         self._forget(out.request_id)
@@ -168,7 +172,9 @@ class AsyncEngine:
                         return
                     if isinstance(item, _Add):
                         try:
-                            core.add_request(item.request_id, item.prompt_token_ids, item.params)
+                            core.add_request(
+                                item.request_id, item.prompt_token_ids, item.params, item.cache_salt, item.fork_of
+                            )
                         except ValueError as e:  # validated before; a race is still an error, not a crash
                             self._deliver_error(item.request_id, e)
                     else:

@@ -70,6 +70,8 @@ class CacheConfig:
     """Tokens per KV-cache block (a power of two, 1..128)."""
     kv_cache_memory: float | None = None
     """KV-cache budget in GiB; default 2 GiB on CPU, 90% of free memory after profiling on CUDA."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of earlier requests' identical prompt prefixes (--no-prefix-caching turns it off)."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks (tests use it to force preemption); overrides kv_cache_memory."""
 

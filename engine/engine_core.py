@@ -81,7 +81,7 @@ class EngineCore:
             raise ValueError(f"the KV-cache budget holds no block of {spec.bytes_per_block} bytes; raise --kv-cache-memory")
         self.kv_spec = spec
         self.num_blocks = num_blocks
-        self.block_manager = BlockManager(num_blocks, cc.block_size)
+        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         kv_caches = allocate_kv_cache(spec, num_blocks, self.device)
         self.ops = get_ops(config.kernel.kernel_backend, self.device)
@@ -133,15 +133,26 @@ class EngineCore:
             )
         return max_tokens
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a single-sample request (n > 1 is fanned out above this layer)."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        fork_of: str | None = None,
+    ) -> None:
+        """Queue a single-sample request. n > 1 is fanned out above this layer into samples
+        whose `fork_of` names sample 0: they share its prompt blocks instead of recomputing."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
         if self.extra_eos_token_ids and not params.ignore_eos:
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, max_tokens)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, max_tokens, cache_salt=cache_salt)
+        parent = self.requests.get(fork_of) if fork_of is not None else None
+        if parent is not None and parent.prompt_token_ids == request.prompt_token_ids:
+            request.fork_parent = parent
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,
@@ -311,6 +322,7 @@ class EngineCore:
             outputs=[completion],
             finished=request.is_finished,
             prompt_logprobs=request.prompt_logprobs,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
 

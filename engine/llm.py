@@ -54,7 +54,9 @@ class LLM:
                 results[-1].outputs = [None] * params.n  # type: ignore[list-item]
                 for j in range(params.n):
                     child_id = f"{results[-1].request_id}-{j}"
-                    core.add_request(child_id, token_ids, child_params(params, j))
+                    core.add_request(
+                        child_id, token_ids, child_params(params, j), fork_of=f"{results[-1].request_id}-0" if j else None
+                    )
                     children[child_id] = (i, j)
             pending = len(children)
             while pending:
@@ -66,6 +68,7 @@ class LLM:
                         results[i].outputs[j] = completion
                         if j == 0:
                             results[i].prompt_logprobs = out.prompt_logprobs
+                            results[i].num_cached_tokens = out.num_cached_tokens
                         pending -= 1
         finally:
             for child_id in children:

@@ -84,6 +84,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns logits [num_sampling_requests, vocab] in `scheduled` order,
         followed by one row per entry of `self.prompt_rows` (prompt logprobs)."""
+        if sched.blocks_to_copy:
+            mapping = torch.tensor(sched.blocks_to_copy, dtype=torch.int64, device=self.device)
+            self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
         input_ids, positions, meta = self.prepare(sched)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.ops)
         return self.model.compute_logits(hidden)

@@ -61,6 +61,14 @@ class Request:
     """One entry per prompt token (None for the first); filled chunk by chunk during prefill."""
     generator: torch.Generator | None = None
     detokenizer: "IncrementalDetokenizer | None" = None
+    cache_salt: str | None = None
+    """Extra prefix-cache key: requests with different salts never share cached blocks."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chain hashes of the request's full blocks (append-only, like its tokens)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache when the request was first scheduled."""
+    fork_parent: "Request | None" = None
+    """Sample j > 0 of an n > 1 request: shares sample 0's prompt blocks once computed."""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -93,6 +101,10 @@ class Request:
     def token_id_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    @property
+    def cache_extra_keys(self) -> tuple:
+        return () if self.cache_salt is None else (self.cache_salt,)
 
     @property
     def is_finished(self) -> bool:

@@ -25,6 +25,8 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     """Parallel to `scheduled`: new tokens computed for each request this step."""
     preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) KV blocks to copy before the forward pass (copy-on-write)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -57,6 +59,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
 
@@ -64,7 +67,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk(request, budget)
-            while not self.block_manager.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            start = request.num_computed_tokens
+            while not bm.allocate_slots(request.request_id, start + n, write_from=start):
                 victim = self.running.pop()  # the newest; always at index >= i
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -72,26 +76,64 @@ class Scheduler:
                     break
             if request.status == RequestStatus.PREEMPTED:
                 break
+            bm.cache_blocks(request, start + n)
             out.scheduled.append(request)
             out.num_scheduled_tokens.append(n)
             budget -= n
             i += 1
 
         # A step that had to preempt admits nobody: the memory is not there.
+        parked: list[Request] = []
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.popleft()
+            parent = request.fork_parent
+            if parent is not None and not self._try_fork(request):
+                parked.append(request)  # its prompt is still being computed by sample 0
+                continue
+            cached_prefix = bm.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            if cached_prefix:
+                request.num_computed_tokens = len(cached_prefix) * bm.block_size
+            start = request.num_computed_tokens
             n = self._chunk(request, budget)
-            if not self.block_manager.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            if not bm.allocate_slots(request.request_id, start + n, cached_prefix, write_from=start):
+                # Undo: a waiting request holds no blocks and has computed nothing.
+                bm.free(request.request_id)
+                request.num_computed_tokens = 0
+                request.fork_parent = parent
+                self.waiting.appendleft(request)
                 break
-            self.waiting.popleft()
+            bm.cache_blocks(request, start + n)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+                request.num_cached_tokens = start
             self.running.append(request)
             out.scheduled.append(request)
             out.num_scheduled_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(parked))
+        out.blocks_to_copy = bm.pending_copies
+        bm.pending_copies = []
         return out
+
+    def _try_fork(self, request: Request) -> bool:
+        """Share sample 0's computed prompt blocks with sample j (n > 1); False = not yet.
+
+        The child recomputes only the last prompt token (its own logits to sample from),
+        whose write into the shared partial block triggers copy-on-write.
+        """
+        parent = request.fork_parent
+        last = request.num_prompt_tokens - 1
+        if parent.status == RequestStatus.WAITING or (
+            parent.status == RequestStatus.RUNNING and parent.num_computed_tokens < last
+        ):
+            return False
+        request.fork_parent = None
+        if parent.status != RequestStatus.RUNNING or request.num_computed_tokens or last == 0:
+            return True  # parent gone or preempted: compute normally (the prefix cache still helps)
+        self.block_manager.fork(parent.request_id, request.request_id, self.block_manager.blocks_needed(last))
+        request.num_computed_tokens = last
+        return True
 
     def _preempt(self, request: Request) -> None:
         # Recompute, not swap: the KV is dropped, the tokens (prompt + output so far) kept.

@@ -19,6 +19,7 @@ class KernelOps:
     backend: str
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    copy_blocks: Callable[..., None] = reference.copy_blocks
 
 
 def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:

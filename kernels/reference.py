@@ -25,6 +25,18 @@ def reshape_and_cache(
     value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = value
 
 
+def copy_blocks(
+    key_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    value_caches: list[torch.Tensor],  # per layer, same shape
+    block_mapping: torch.Tensor,  # [num_pairs, 2] int64: (src, dst) block ids
+) -> None:
+    """Copy whole KV blocks in every layer (copy-on-write of shared blocks)."""
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for key_cache, value_cache in zip(key_caches, value_caches):
+        key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
+        value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]

@@ -62,13 +62,16 @@ def test_batched_greedy_equals_hf_generate(default_model_path, hf_reference):
 
 
 @pytest.mark.slow
-def test_preemption_and_chunked_prefill_keep_hf_tokens(default_model_path, hf_reference):
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_preemption_and_chunked_prefill_keep_hf_tokens(default_model_path, hf_reference, prefix_caching):
     prompts, expected = hf_reference
-    # 40 blocks of 16 hold one long request but not all eight: preemption must happen.
-    # A 64-token budget splits every long prompt into chunks mixed with decodes.
+    # Room for the longest request plus two blocks: the eight together cannot fit, so
+    # preemption must happen (with the prefix cache, recompute mostly hits it). A 64-token
+    # budget splits every long prompt into chunks mixed with decodes.
+    num_blocks = -(-(max(map(len, prompts)) + MAX_NEW_TOKENS) // 16) + 2
     llm = LLM(
-        model=str(default_model_path), dtype="float32", block_size=16,
-        num_gpu_blocks_override=40, max_num_batched_tokens=64,
+        model=str(default_model_path), dtype="float32", block_size=16, enable_prefix_caching=prefix_caching,
+        num_gpu_blocks_override=num_blocks, max_num_batched_tokens=64,
     )
     core = llm.engine_core
     chunked = []
