@@ -93,6 +93,7 @@ class EngineCore:
         # Called after every step (and abort) with that step's StepStats; the server's
         # metrics hook. None skips building them.
         self.on_step: Callable[[StepStats], None] | None = None
+        self._reported_queries = self._reported_hits = 0  # block-manager counters already in StepStats
         if log:
             print(
                 f"[pagoda] model {self.model_path.name}: {args.num_hidden_layers} layers, "
@@ -220,6 +221,10 @@ class EngineCore:
         stats.num_running = len(self.scheduler.running)
         stats.num_waiting = len(self.scheduler.waiting)
         stats.kv_cache_usage = self.block_manager.usage
+        bm = self.block_manager
+        stats.prefix_cache_queries = bm.prefix_cache_queries - self._reported_queries
+        stats.prefix_cache_hits = bm.prefix_cache_hits - self._reported_hits
+        self._reported_queries, self._reported_hits = bm.prefix_cache_queries, bm.prefix_cache_hits
         stats.kv_cache_tail_waste_tokens = sum(
             self.block_manager.tail_waste(r.request_id, r.num_computed_tokens) for r in self.scheduler.running
         )

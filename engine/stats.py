@@ -28,6 +28,10 @@ class StepStats:
     """Prompt tokens of requests that produced their first token this step."""
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache this step."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached."""
     time_to_first_token_s: list[float] = field(default_factory=list)
     inter_token_latency_s: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)

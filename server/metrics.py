@@ -156,6 +156,7 @@ class Metrics:
             self.num_preemptions.inc(stats.num_preemptions)
         if stats.num_scheduled_tokens > 0:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        self.record_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits)
 
         for ttft in stats.time_to_first_token_s:
             self.time_to_first_token.observe(ttft)
