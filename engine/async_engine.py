@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.engine_core import EngineCore, StepFailedError
 from engine.llm import child_params
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -181,7 +181,13 @@ class AsyncEngine:
                         core.abort_request(item.request_id)
                 self.last_step_time = time.monotonic()
                 if core.has_unfinished_requests():
-                    outputs = core.step()
+                    try:
+                        outputs = core.step()
+                    except StepFailedError as e:
+                        # Only that step's requests fail; the loop keeps serving the rest.
+                        for request_id in e.request_ids:
+                            self._deliver_error(request_id, e)
+                        outputs = []
                     self.last_step_time = time.monotonic()
                     if outputs:
                         self._loop.call_soon_threadsafe(self._deliver, outputs)

@@ -209,6 +209,12 @@ class BlockManager:
             self.ref_counts[block_id] += 1
         self.block_tables[child_id] = table
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash (blocks and their owners are untouched)."""
+        self.cached_blocks.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.num_registered.clear()
+
     def check_invariants(self) -> None:
         """Every block is either free (ref 0) or referenced exactly by its table entries."""
         counts = [0] * self.num_blocks

@@ -28,6 +28,14 @@ from engine.stats import FinishedRequestStats, StepStats
 from kernels.ops import get_ops
 
 
+class StepFailedError(RuntimeError):
+    """A step's forward pass or sampling raised; `request_ids` were ended, the engine goes on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); {len(request_ids)} request(s) ended")
+        self.request_ids = request_ids
+
+
 class ContextLengthExceeded(ValueError):
     """The prompt (+ max_tokens) does not fit the model's context."""
 
@@ -93,7 +101,10 @@ class EngineCore:
         # Called after every step (and abort) with that step's StepStats; the server's
         # metrics hook. None skips building them.
         self.on_step: Callable[[StepStats], None] | None = None
-        self._reported_queries = self._reported_hits = 0  # block-manager counters already in StepStats
+        self._reported_queries = self._reported_hits = 0
+        # Fault injection for tests: the N-th step (1-based) raises inside the forward pass.
+        fault = os.environ.get("PAGODA_FAULT_AT_STEP")
+        self._fault_at_step = int(fault) if fault else None  # block-manager counters already in StepStats
         if log:
             print(
                 f"[pagoda] model {self.model_path.name}: {args.num_hidden_layers} layers, "
@@ -187,16 +198,24 @@ class EngineCore:
         if sched.is_empty:
             return []
         stats = self._new_step_stats(sched) if self.on_step is not None else None
-        with torch.inference_mode():
-            t1 = time.perf_counter()
-            logits = self.runner.execute(sched)
-            t2 = time.perf_counter()
-            sampling = [r for r, n in zip(sched.scheduled, sched.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens]
-            if self.runner.prompt_rows:
-                self._record_prompt_logprobs(logits[len(sampling):])
-                logits = logits[: len(sampling)]
-            sampled = self.sampler(logits, sampling) if sampling else None
-        outputs = self._update(sched, sampling, sampled, stats)
+        try:
+            with torch.inference_mode():
+                if self._fault_at_step is not None and self.stats.num_steps + 1 == self._fault_at_step:
+                    raise RuntimeError(f"injected fault in step {self._fault_at_step} (PAGODA_FAULT_AT_STEP)")
+                t1 = time.perf_counter()
+                logits = self.runner.execute(sched)
+                t2 = time.perf_counter()
+                sampling = [
+                    r for r, n in zip(sched.scheduled, sched.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens
+                ]
+                if self.runner.prompt_rows:
+                    self._record_prompt_logprobs(logits[len(sampling):])
+                    logits = logits[: len(sampling)]
+                sampled = self.sampler(logits, sampling) if sampling else None
+            outputs = self._update(sched, sampling, sampled, stats)
+        except Exception as e:
+            self.stats.num_steps += 1
+            raise self._fail_step(sched, e) from e
         if self.debug_invariants:
             self.block_manager.check_invariants()
         t3 = time.perf_counter()
@@ -209,6 +228,22 @@ class EngineCore:
             stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
             self._report(stats)
         return outputs
+
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> "StepFailedError":
+        """A step raised: end its requests (the others are untouched) and keep the engine usable.
+
+        Blocks registered in the prefix cache this step may never have been written, so
+        the whole cache index is dropped (cached KV is an optimisation, never a source of
+        truth); the failed requests' blocks go back to the free list.
+        """
+        failed = [r.request_id for r in sched.scheduled if not r.is_finished]
+        stats = self._new_step_stats(sched) if self.on_step is not None else None
+        for request_id in failed:
+            self._finish(self.requests[request_id], RequestStatus.FINISHED_ABORTED, stats)
+        self.block_manager.reset_prefix_cache()
+        if stats is not None:
+            self._report(stats)
+        return StepFailedError(failed, error)
 
     def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
         return StepStats(
