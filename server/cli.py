@@ -1,15 +1,25 @@
 """`pagoda` command line: `pagoda serve [flags]`, `pagoda generate PROMPT [flags]`.
 
-The HTTP server arrives with its own issue; until then `serve` loads the engine and runs
-a short generation demo with the same flags, so the README's serve command already
-exercises the whole engine.
+`serve` loads the model once, then runs uvicorn with the FastAPI app (server/app.py),
+whose lifespan starts the engine loop and shuts it down on exit. `--config FILE` reads
+a flat YAML mapping of flag names (dashes or underscores; a bare name such as
+`cpu-default` means `configs/cpu-default.yaml`); flags given on the command line win.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
+from typing import Any
+
+_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+_ENGINE_KEYS = (
+    "dtype", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
+    "max_num_batched_tokens", "quantization", "kernel_backend", "seed",
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,24 +36,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict:
-    keys = (
-        "dtype", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
-        "max_num_batched_tokens", "quantization", "kernel_backend", "seed",
-    )
-    return {k: getattr(ns, k) for k in keys if getattr(ns, k) is not None}
+    return {k: getattr(ns, k) for k in _ENGINE_KEYS if getattr(ns, k) is not None}
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    from server.app import ServerConfig
+
+    defaults = ServerConfig()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the name clients use as `model` (default: the model folder's name)")
+    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY; none = open)")
+    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes, help="largest request body (413 above)")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="unfinished samples the engine accepts before answering 503 + Retry-After")
+    parser.add_argument("--max-n", type=int, default=defaults.max_n, help="largest n (samples per prompt)")
+    parser.add_argument("--health-stall-timeout", type=float, default=defaults.health_stall_timeout_s,
+                        help="seconds without engine progress (with work pending) before /health answers 503")
+    parser.add_argument("--tokenizer-threads", type=int, default=defaults.tokenizer_threads)
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    parser.add_argument("--config", default=None, help="YAML file of flag values (or a preset name from configs/)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda: an OpenAI-compatible LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a model (until the HTTP server lands: a generation demo)")
+    serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible)")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--config", default=None, help="YAML preset from configs/")
+    add_server_args(serve)
 
     gen = sub.add_parser("generate", help="generate from prompts once and print the results")
     add_engine_args(gen)
@@ -54,14 +77,92 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_DEMO_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain continuous batching in one sentence.",
-    "List three prime numbers.",
-]
+# ---- --config ------------------------------------------------------------------------------------
+def resolve_config_path(name: str) -> Path:
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    for candidate in (_CONFIGS_DIR / name, _CONFIGS_DIR / f"{name}.yaml", _CONFIGS_DIR / f"{name}.yml"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"config file {name!r} not found (nor in {_CONFIGS_DIR})")
 
 
+def load_config_defaults(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The YAML mapping as argparse defaults: keys are flag names, dashes or underscores."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: invalid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of flag names to values")
+    known = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
+    defaults = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in known:
+            raise ValueError(f"{path}: unknown key {key!r}; known: {', '.join(sorted(known))}")
+        defaults[dest] = value
+    return defaults
+
+
+def parse_serve_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    ns = parser.parse_args(argv)
+    if ns.command != "serve" or not ns.config:
+        return ns
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    # Config values become defaults, so flags given on the command line override them.
+    serve.set_defaults(**load_config_defaults(resolve_config_path(ns.config), serve))
+    return parser.parse_args(argv)
+
+
+# ---- serve -----------------------------------------------------------------------------------------
+def run_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.default_model import resolve_model_path
+    from server.app import ServerConfig, build_app
+    from server.metrics import Metrics
+
+    try:
+        server_config = ServerConfig(
+            served_model_name=ns.served_model_name,
+            api_key=ns.api_key or None,
+            max_body_bytes=ns.max_body_bytes,
+            max_n=ns.max_n,
+            health_stall_timeout_s=ns.health_stall_timeout,
+            tokenizer_threads=ns.tokenizer_threads,
+        )
+        if ns.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {ns.max_waiting_requests}")
+        config = EngineConfig.from_engine_args(model=ns.model, **engine_args_from(ns))
+        model_name = ns.served_model_name or resolve_model_path(config.model.model).name
+        metrics = Metrics(
+            model_name,
+            max_model_len=config.model.max_model_len,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        )
+        engine = AsyncEngine(config, max_waiting_requests=ns.max_waiting_requests, on_step=metrics.on_step)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pagoda: error: {e}", file=sys.stderr)
+        return 2
+    server_config.served_model_name = model_name
+    app = build_app(engine, server_config, metrics)
+    auth = "with an API key" if server_config.api_key else "without an API key"
+    print(f"[pagoda] serving {model_name!r} on http://{ns.host}:{ns.port} ({auth})", file=sys.stderr, flush=True)
+    uvicorn.run(
+        app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=not ns.no_access_log,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+# ---- generate --------------------------------------------------------------------------------------
 def run_generate(ns: argparse.Namespace, prompts: list[str], chat: bool, max_tokens: int, temperature: float) -> int:
     from engine import LLM, SamplingParams
 
@@ -88,11 +189,15 @@ def run_generate(ns: argparse.Namespace, prompts: list[str], chat: bool, max_tok
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        ns = parse_serve_args(parser, argv)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"pagoda: error: {e}", file=sys.stderr)
+        return 2
     if ns.command == "generate":
         return run_generate(ns, ns.prompts, ns.chat, ns.max_tokens, ns.temperature)
-    print("[pagoda] the HTTP server is not built yet; running a generation demo with the same engine", file=sys.stderr)
-    return run_generate(ns, _DEMO_PROMPTS, chat=True, max_tokens=48, temperature=0.0)
+    return run_serve(ns)
 
 
 if __name__ == "__main__":
