@@ -1,11 +1,19 @@
 """Dispatch: Triton kernels on CUDA, torch reference ops on CPU; `kernel_backend` overrides.
 
-The Triton kernels arrive with their own issue; until then every backend resolves to
-the reference ops, and asking for `triton` says so instead of silently using torch.
+- auto: Triton on CUDA, the torch reference on CPU. On CUDA a call whose shapes the
+  kernels do not take (head_dim other than 64/128, GQA ratio over 8) goes to the
+  reference instead of failing, so any model still runs (tests' tiny models use head_dim 16).
+- torch: the reference everywhere.
+- triton: the Triton kernels; on CPU they run in the Triton interpreter, which must be
+  switched on (TRITON_INTERPRET=1) before the kernel modules are imported: slow but
+  exact, it is how the kernels are checked without a GPU.
+
+Triton is imported only when a Triton backend is chosen, so `import kernels` stays cheap.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,16 +27,48 @@ class KernelOps:
     backend: str
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    # Whole-block copies (copy-on-write) are plain torch indexing on every backend.
     copy_blocks: Callable[..., None] = reference.copy_blocks
 
 
 def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:
     if kernel_backend not in ("auto", "torch", "triton"):
         raise ValueError(f"kernel_backend must be auto, torch or triton, got {kernel_backend!r}")
+    device = torch.device(device)
+    use_triton = kernel_backend == "triton" or (kernel_backend == "auto" and device.type == "cuda")
+    if not use_triton:
+        return KernelOps(
+            backend="torch",
+            reshape_and_cache=reference.reshape_and_cache,
+            paged_attention=reference.paged_attention,
+        )
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "kernel_backend 'triton' on CPU runs the Triton interpreter: set TRITON_INTERPRET=1 to run "
+            "Triton kernels on CPU (or use kernel_backend 'torch')"
+        )
+    from kernels import triton_attention, triton_cache
+    from kernels.triton_runtime import check_device_runs_triton
+
+    # The kernel modules may have been imported before TRITON_INTERPRET was set.
+    check_device_runs_triton(device)
     if kernel_backend == "triton":
-        raise ValueError("kernel_backend 'triton' is not available yet (Triton attention kernels are pending)")
-    return KernelOps(
-        backend="torch",
-        reshape_and_cache=reference.reshape_and_cache,
-        paged_attention=reference.paged_attention,
-    )
+        return KernelOps(
+            backend="triton",
+            reshape_and_cache=triton_cache.reshape_and_cache,
+            paged_attention=triton_attention.paged_attention,
+        )
+
+    def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+        supported = key.shape[-1] in triton_attention.SUPPORTED_HEAD_DIMS
+        fn = triton_cache.reshape_and_cache if supported else reference.reshape_and_cache
+        fn(key, value, key_cache, value_cache, slot_mapping)
+
+    def paged_attention(query, key_cache, *args, **kwargs) -> torch.Tensor:
+        ratio = query.shape[1] // max(key_cache.shape[2], 1)
+        supported = query.shape[-1] in triton_attention.SUPPORTED_HEAD_DIMS and ratio <= triton_attention.MAX_GQA_RATIO
+        fn = triton_attention.paged_attention if supported else reference.paged_attention
+        return fn(query, key_cache, *args, **kwargs)
+
+    return KernelOps(backend="triton", reshape_and_cache=reshape_and_cache, paged_attention=paged_attention)
+

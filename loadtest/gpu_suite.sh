@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# GPU suite for the Triton kernels (issue 4), in one command from the repository root:
+#
+#     OUT=/some/dir bash loadtest/gpu_suite.sh
+#
+# 1. the kernel tests on CUDA (compiled, bf16 / fp16 / fp32 variants; the CPU-interpreter
+#    variants skip themselves), in three parallel shards since compiling dominates;
+# 2. the kernel benchmark (loadtest/bench_kernels.py), after the tests pass or not.
+# Logs and the benchmark's JSON go to $OUT (7 files); the last lines printed are the test
+# summaries and the benchmark table. Budget: under 8 minutes on one H200.
+set -u
+OUT=${OUT:-$(mktemp -d)}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+start=$(date +%s)
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+  "$PY" -c "import torch, triton, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=10)
+timeout 330 "${PYTEST[@]}" tests/kernels/test_triton_attention.py -k "cuda-bf16" >"$OUT/tests_attention_bf16.log" 2>&1 &
+p1=$!
+timeout 330 "${PYTEST[@]}" tests/kernels/test_triton_attention.py -k "not cuda-bf16" >"$OUT/tests_attention_other.log" 2>&1 &
+p2=$!
+timeout 330 "${PYTEST[@]}" tests/kernels/test_triton_cache.py tests/kernels/test_engine_triton.py \
+  tests/kernels/test_kernel_dispatch.py tests/kernels/test_triton_compile.py >"$OUT/tests_cache_engine.log" 2>&1 &
+p3=$!
+rc=0
+for p in $p1 $p2 $p3; do wait $p || rc=1; done
+echo "tests done in $(( $(date +%s) - start )) s (rc $rc)"
+
+timeout 150 "$PY" -m loadtest.bench_kernels --json "$OUT/bench_kernels.json" >"$OUT/bench_kernels.log" 2>&1
+brc=$?
+echo "bench done in $(( $(date +%s) - start )) s (rc $brc)"
+
+echo
+for f in tests_attention_bf16 tests_attention_other tests_cache_engine; do
+  echo "== $f: $(tail -n 1 "$OUT/$f.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -n 15
+done
+echo
+tail -n 8 "$OUT/bench_kernels.log"
+exit $(( rc | brc ))
