@@ -27,7 +27,6 @@ class KernelOps:
     backend: str
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
-    # Whole-block copies (copy-on-write) are plain torch indexing on every backend.
     copy_blocks: Callable[..., None] = reference.copy_blocks
 
 
@@ -47,7 +46,7 @@ def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:
             "kernel_backend 'triton' on CPU runs the Triton interpreter: set TRITON_INTERPRET=1 to run "
             "Triton kernels on CPU (or use kernel_backend 'torch')"
         )
-    from kernels import triton_attention, triton_cache
+    from kernels import triton_attention, triton_cache, triton_copy
     from kernels.triton_runtime import check_device_runs_triton
 
     # The kernel modules may have been imported before TRITON_INTERPRET was set.
@@ -57,6 +56,7 @@ def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:
             backend="triton",
             reshape_and_cache=triton_cache.reshape_and_cache,
             paged_attention=triton_attention.paged_attention,
+            copy_blocks=triton_copy.copy_blocks,
         )
 
     def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -70,5 +70,10 @@ def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:
         fn = triton_attention.paged_attention if supported else reference.paged_attention
         return fn(query, key_cache, *args, **kwargs)
 
-    return KernelOps(backend="triton", reshape_and_cache=reshape_and_cache, paged_attention=paged_attention)
+    return KernelOps(
+        backend="triton",
+        reshape_and_cache=reshape_and_cache,
+        paged_attention=paged_attention,
+        copy_blocks=triton_copy.copy_blocks,
+    )
 

@@ -109,3 +109,28 @@ def test_triton_engine_greedy_equals_hf_with_chunked_prefill_and_preemption(trit
     for i, (out, exp) in enumerate(zip(outs, expected)):
         assert out.outputs[0].token_ids == exp, f"prompt {i} ({len(prompts[i])} tokens)"
     assert core.block_manager.num_free_blocks == core.num_blocks
+
+
+def test_triton_forked_samples_equal_torch_backend(triton_model_path, prompts_and_hf_tokens):
+    """n > 1 forks share the prompt's blocks and copy-on-write the partial one (triton_copy);
+    the seeded samples equal the torch backend's."""
+    prompt = prompts_and_hf_tokens[0][1]  # 23 tokens: its last token sits inside a shared block of 4
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for backend in ("triton", "torch"):
+        llm = LLM(model=str(triton_model_path), dtype="float32", kernel_backend=backend, block_size=BLOCK_SIZE,
+                  num_gpu_blocks_override=64, max_model_len=128)
+        copies = []
+        schedule = llm.engine_core.scheduler.schedule
+
+        def recording_schedule(schedule=schedule, copies=copies):
+            out = schedule()
+            copies.extend(out.blocks_to_copy)
+            return out
+
+        llm.engine_core.scheduler.schedule = recording_schedule
+        outs[backend] = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
+        assert copies, "the forks never copied a shared block"
+        assert llm.engine_core.block_manager.num_free_blocks == llm.engine_core.num_blocks
+    assert outs["triton"] == outs["torch"]
+    assert len({tuple(t) for t in outs["triton"]}) > 1
