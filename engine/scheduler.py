@@ -90,7 +90,7 @@ class Scheduler:
             if parent is not None and not self._try_fork(request):
                 parked.append(request)  # its prompt is still being computed by sample 0
                 continue
-            cached_prefix = bm.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            cached_prefix = bm.find_cached_prefix(request) if self._may_use_prefix_cache(request) else []
             if cached_prefix:
                 request.num_computed_tokens = len(cached_prefix) * bm.block_size
             start = request.num_computed_tokens
@@ -115,6 +115,15 @@ class Scheduler:
         out.blocks_to_copy = bm.pending_copies
         bm.pending_copies = []
         return out
+
+    @staticmethod
+    def _may_use_prefix_cache(request: Request) -> bool:
+        # Prompt logprobs exist only for positions the engine computes: a request still
+        # missing some must compute its whole prompt (as vLLM does).
+        missing_prompt_logprobs = (
+            request.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens
+        )
+        return request.num_computed_tokens == 0 and not missing_prompt_logprobs
 
     def _try_fork(self, request: Request) -> bool:
         """Share sample 0's computed prompt blocks with sample j (n > 1); False = not yet.

@@ -18,7 +18,7 @@ from typing import Any
 _CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 _ENGINE_KEYS = (
     "dtype", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
-    "max_num_batched_tokens", "quantization", "kernel_backend", "seed",
+    "max_num_batched_tokens", "quantization", "kernel_backend", "seed", "enable_prefix_caching",
 )
 
 
@@ -33,6 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--seed", type=int, default=None)
+    # In a --config file: `enable-prefix-caching: false`.
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="do not reuse the KV blocks of earlier requests' identical prompt prefixes")
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict:
@@ -40,7 +43,7 @@ def engine_args_from(ns: argparse.Namespace) -> dict:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    from server.app import ServerConfig
+    from server.config import ServerConfig
 
     defaults = ServerConfig()
     parser.add_argument("--host", default="127.0.0.1")
@@ -100,11 +103,15 @@ def load_config_defaults(path: Path, parser: argparse.ArgumentParser) -> dict[st
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of flag names to values")
     known = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
+    switches = {a.dest for a in parser._actions if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction))}
     defaults = {}
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         if dest not in known:
             raise ValueError(f"{path}: unknown key {key!r}; known: {', '.join(sorted(known))}")
+        if dest in switches and not isinstance(value, bool):
+            # A quoted "false" is a non-empty string, which would read as true.
+            raise ValueError(f"{path}: {key!r} must be true or false, got {value!r}")
         defaults[dest] = value
     return defaults
 
@@ -155,9 +162,11 @@ def run_serve(ns: argparse.Namespace) -> int:
     app = build_app(engine, server_config, metrics)
     auth = "with an API key" if server_config.api_key else "without an API key"
     print(f"[pagoda] serving {model_name!r} on http://{ns.host}:{ns.port} ({auth})", file=sys.stderr, flush=True)
+    # loop/http "auto": uvloop and httptools when installed (they are dependencies, except
+    # uvloop on Windows), else asyncio and h11.
     uvicorn.run(
         app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=not ns.no_access_log,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5, loop="auto", http="auto",
     )
     return 0
 

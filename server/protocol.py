@@ -26,6 +26,8 @@ MAX_STOP_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300
 MAX_SEED = 2**63 - 1
+MAX_CACHE_SALT_LEN = 1024
+"""The salt is hashed into every prompt block's cache key: keep it short."""
 # Logprobs JSON cannot carry -inf; vLLM reports impossible tokens as -9999.0 too.
 _MIN_LOGPROB = -9999.0
 
@@ -70,6 +72,8 @@ class SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_LEN)
+    """vLLM's name: requests reuse each other's cached prompt blocks only when their salts match."""
 
     @field_validator("stream_options")
     @classmethod
@@ -295,10 +299,16 @@ def _find_lone_surrogate(obj: Any) -> str | None:
 
 
 # ---- responses -----------------------------------------------------------------------------
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache instead of being computed."""
+
+
 class UsageInfo(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -426,15 +436,19 @@ def _token_text(token_id: int, lp: Logprob, hidden_ids: frozenset[int]) -> str:
 
 
 def completion_logprobs(
-    token_logprobs: list[dict[int, Logprob]], text_offset: int, hidden_ids: frozenset[int] = frozenset()
+    token_logprobs: list[dict[int, Logprob]],
+    text_offset: int,
+    hidden_ids: frozenset[int] = frozenset(),
+    into: CompletionLogprobs | None = None,
 ) -> tuple[CompletionLogprobs, int]:
     """Legacy completions logprobs for a run of tokens; returns them and the next text offset.
 
     Each dict holds the sampled token first, then the top-k alternatives (vLLM's shape:
     top_logprobs has k entries, k + 1 when the sampled token is not among them).
     `hidden_ids`: tokens shown as "" (the special tokens, when the text skips them).
+    `into`: append to these (the echoed prompt's entries) instead of starting empty.
     """
-    out = CompletionLogprobs()
+    out = into if into is not None else CompletionLogprobs()
     for entry in token_logprobs:
         sampled_id, sampled = next(iter(entry.items()))
         token = _token_text(sampled_id, sampled, hidden_ids)
@@ -444,6 +458,17 @@ def completion_logprobs(
         out.text_offset.append(text_offset)
         text_offset += len(token)
     return out, text_offset
+
+
+def echo_logprobs(first_token: str, prompt_logprobs: list[dict[int, Logprob] | None]) -> tuple[CompletionLogprobs, int]:
+    """The echoed prompt's entries in the legacy format, and the text offset after them.
+
+    Nothing predicts the first token, so its logprob and top_logprobs are null (as OpenAI);
+    each later entry holds the prompt token first, then the top-k alternatives. The prompt
+    is echoed verbatim, so its special tokens keep their text.
+    """
+    out = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first_token], top_logprobs=[None])
+    return completion_logprobs(prompt_logprobs[1:], len(first_token), into=out)  # type: ignore[arg-type]
 
 
 def chat_logprobs(

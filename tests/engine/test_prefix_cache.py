@@ -201,3 +201,12 @@ def test_n_samples_equal_separate_seeded_requests_and_share_prompt_blocks(llm, t
         for j in range(4):
             core.abort_request(f"fork-{j}")
     assert core.block_manager.num_free_blocks == core.num_blocks
+
+
+def test_prompt_logprobs_request_computes_its_whole_prompt(llm):
+    prompt = SYSTEM + "Which river is the longest?"
+    llm.generate([prompt], SamplingParams(max_tokens=1))  # warm the cache
+    out = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    assert out.num_cached_tokens == 0
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert all(entry is not None for entry in out.prompt_logprobs[1:])

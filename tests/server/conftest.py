@@ -43,6 +43,9 @@ class ServerProcess:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(MAX_MODEL_LEN),
             "--max-body-bytes", str(MAX_BODY_BYTES),
+            # What "auto" is on a CPU, fixed so that comparisons with a float32 Hugging Face
+            # forward pass hold on any machine.
+            "--dtype", "float32",
             *extra_args,
         ]
         # A file, not a pipe: a chatty server must never block on a full pipe buffer.

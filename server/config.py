@@ -1,0 +1,31 @@
+"""The server section of the configuration: what `pagoda serve` adds on top of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    served_model_name: str | None = None
+    """The name clients put in `model`; default: the model folder's name."""
+    api_key: str | None = None
+    """With a key, every route except /health, /metrics and /version needs `Authorization: Bearer KEY`."""
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body; 4 MiB holds 64 prompts of 8k token ids as JSON."""
+    max_n: int = 16
+    """Largest `n` (samples per prompt)."""
+    health_stall_timeout_s: float = 30.0
+    """/health answers 503 when work is pending and no step finished for this long."""
+    tokenizer_threads: int = 2
+    """Worker threads (each with its own tokenizer copy) for tokenization and chat templates."""
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.health_stall_timeout_s <= 0:
+            raise ValueError(f"health_stall_timeout_s must be > 0, got {self.health_stall_timeout_s}")
+        if self.tokenizer_threads < 1:
+            raise ValueError(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")

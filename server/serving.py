@@ -1,0 +1,461 @@
+"""What completions and chat share between the HTTP request and the engine streams.
+
+Reading the body (size-capped) and validating it, tokenizing in worker threads, turning a
+request into `SamplingParams`, admission against the engine's queue limit, merging the
+engine streams of several prompts, usage, and the JSON / SSE responses. The endpoint
+logic lives in `serving_completion.py` and `serving_chat.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from engine.async_engine import AsyncEngine, QueueFullError
+from engine.engine_core import ContextLengthExceeded
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+from server.config import ServerConfig
+from server.errors import (
+    ClientDisconnectedError,
+    ContextLengthError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    RequestTooLargeError,
+    ServiceUnavailableError,
+    sse_error_event,
+    validation_error,
+)
+from server.metrics import Metrics
+from server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo, parse_json_object
+
+logger = logging.getLogger("pagoda.server")
+T = TypeVar("T")
+_M = TypeVar("_M", bound=BaseModel)
+
+SSE_DONE = b"data: [DONE]\n\n"
+_PARSE_INLINE_MAX_BYTES = 64 * 1024
+
+
+# ---- tokenization off the event loop ----------------------------------------------------------
+class TokenizerPool:
+    """Runs tokenization and chat-template rendering in worker threads.
+
+    A long prompt takes milliseconds to tokenize, which would stall every stream if done
+    on the event loop. HF fast tokenizers are not safe to share between threads mid-call
+    (transformers toggles truncation state on the Rust object), so each worker borrows
+    its own copy; the engine loop keeps the original for detokenization.
+    """
+
+    def __init__(self, tokenizer: Any, num_threads: int) -> None:
+        self._free: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for _ in range(num_threads):
+            self._free.put(copy.deepcopy(tokenizer))
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="pagoda-tokenizer")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._call, fn, args)
+
+    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        # As many copies as threads, so this never waits.
+        tokenizer = self._free.get()
+        try:
+            return fn(tokenizer, *args)
+        finally:
+            self._free.put(tokenizer)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(slots=True)
+class PromptInput:
+    token_ids: list[int]
+    text: str | None
+    """The prompt as text (for echo); None when not needed."""
+    params: SamplingParams
+    """The request's params, with max_tokens resolved for this prompt when it was open."""
+    first_token: str | None = None
+    """The first token's text, for echo with logprobs: nothing predicts it, so the
+    engine's prompt logprobs have no entry (and no text) for it."""
+
+
+@dataclass(slots=True)
+class PromptResult:
+    """What the engine reports once per prompt; sample 0's outputs carry it."""
+
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def update(self, out: RequestOutput) -> None:
+        if any(c.index == 0 for c in out.outputs):
+            self.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                self.prompt_logprobs = out.prompt_logprobs
+
+
+# ---- request bodies ----------------------------------------------------------------------------
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refusing more than `max_bytes` - by Content-Length before reading, and
+    by counting while reading (chunked bodies have no Content-Length)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidRequestError("invalid Content-Length header")
+        if int(declared) > max_bytes:
+            raise RequestTooLargeError(f"the request body ({declared} bytes) exceeds the limit of {max_bytes} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise RequestTooLargeError(f"the request body exceeds the limit of {max_bytes} bytes")
+    return bytes(body)
+
+
+def parse_request(body: bytes, model: type[_M]) -> _M:
+    obj = parse_json_object(body)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from e
+
+
+async def read_request(request: Request, model: type[_M], max_bytes: int) -> _M:
+    body = await read_body(request, max_bytes)
+    if len(body) > _PARSE_INLINE_MAX_BYTES:
+        # Parsing megabytes of token ids takes tens of milliseconds: not on the event loop.
+        return await asyncio.to_thread(parse_request, body, model)
+    return parse_request(body, model)
+
+
+# ---- engine streams ----------------------------------------------------------------------------
+class Admission:
+    """Queue places a request holds between the server's capacity check and the moment
+    its engine streams start (only then does the engine count them).
+
+    Without it, requests checked in the same moment could all pass and the later ones
+    fail inside their already-started streams; with it, every refusal is a plain 503.
+    """
+
+    def __init__(self, serving: "OpenAIServing", num_places: int) -> None:
+        self.serving = serving
+        self.num_places = num_places
+        serving.num_reserved += num_places
+
+    def release(self, num_places: int) -> None:
+        num_places = min(num_places, self.num_places)
+        self.num_places -= num_places
+        self.serving.num_reserved -= num_places
+
+    def release_all(self) -> None:
+        self.release(self.num_places)
+
+
+async def _admitted(gen: AsyncIterator[RequestOutput], admission: Admission, n: int) -> AsyncIterator[RequestOutput]:
+    # Hand the places to the engine in the same synchronous run as generate()'s own
+    # capacity check (which happens at its first __anext__), so nothing runs in between.
+    admission.release(n)
+    async with aclosing(gen):
+        async for out in gen:
+            yield out
+
+
+async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the engine streams of several prompts as (prompt index, output).
+
+    Closing this iterator closes every engine stream, which aborts what is unfinished.
+    """
+    if len(gens) == 1:
+        async with aclosing(gens[0]) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    outputs: asyncio.Queue[tuple[int, RequestOutput | None] | BaseException] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(gen):
+                async for out in gen:
+                    outputs.put_nowait((i, out))
+            outputs.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            outputs.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await outputs.get()
+            if isinstance(item, BaseException):
+                raise item
+            i, out = item
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect (uvicorn sends
+    # one when the client closes, or once our response completed).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- the shared state and checks of the OpenAI endpoints -------------------------------------
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: Metrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        core = engine.core
+        self.model_name = config.served_model_name or core.model_path.name
+        self.model_root = str(core.model_path)
+        self.vocab_size = core.model.args.vocab_size
+        self.max_model_len = engine.max_model_len
+        # Tokens the KV cache holds: a request longer than that could never run.
+        self.cache_tokens = core.num_blocks * engine.config.cache.block_size
+        self.created = int(time.time())
+        # Read before the engine loop starts: the tokenizer is the engine thread's after that.
+        self.special_ids = frozenset(engine.tokenizer.all_special_ids)
+        self.num_reserved = 0
+        """Queue places admitted but not yet handed to the engine (see Admission)."""
+        self.engine_death_logged = False
+        self.tokenizers = TokenizerPool(engine.tokenizer, config.tokenizer_threads)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}", param="model"
+            )
+
+    def log_engine_death(self) -> None:
+        """Once: the engine loop's fault, with its traceback, for whoever reads the log."""
+        if not self.engine_death_logged and self.engine.error is not None:
+            self.engine_death_logged = True
+            logger.error("the engine loop died; every request now fails with 503", exc_info=self.engine.error)
+
+    def admit(self, num_children: int) -> Admission:
+        """Refuse before a stream starts (so it is a 503, not an error event mid-stream)."""
+        engine = self.engine
+        if not engine.is_alive:
+            self.log_engine_death()
+            raise ServiceUnavailableError("the engine is not running", code="engine_dead")
+        if engine.num_unfinished + self.num_reserved + num_children > engine.max_waiting_requests:
+            raise QueueFullError(f"the server is at its limit of {engine.max_waiting_requests} queued requests")
+        return Admission(self, num_children)
+
+    def sampling_params(
+        self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        if req.n > self.config.max_n:
+            raise InvalidRequestError(f"n must be at most {self.config.max_n}, got {req.n}", param="n")
+        logit_bias = None
+        if req.logit_bias:
+            logit_bias = {}
+            for key, value in req.logit_bias.items():
+                if not key.isdigit() or int(key) >= self.vocab_size:
+                    raise InvalidRequestError(
+                        f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}", param="logit_bias"
+                    )
+                logit_bias[int(key)] = value
+        if req.stop_token_ids and max(req.stop_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
+                seed=req.seed,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=logit_bias,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop_list,
+                stop_token_ids=list(req.stop_token_ids or []),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise _params_error(e) from e
+
+    def fit_open_max_tokens(self, token_ids: list[int], params: SamplingParams, prompt_param: str) -> SamplingParams:
+        """No max_tokens: run to the end of the context - or of the KV cache, when that
+        holds less, so that the request can run at all."""
+        limit = min(self.max_model_len, self.cache_tokens)
+        room = limit - len(token_ids)
+        if room < 1:
+            raise ContextLengthError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has {len(token_ids)}",
+                param=prompt_param,
+            )
+        try:
+            return dataclasses.replace(params, max_tokens=room)
+        except ValueError as e:
+            raise _params_error(e) from e
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
+        """engine.validate with the field to blame: the prompt if it alone does not fit."""
+        try:
+            self.engine.validate(token_ids, params)
+        except ContextLengthExceeded as e:
+            param = prompt_param if len(token_ids) >= self.max_model_len else "max_tokens"
+            raise ContextLengthError(str(e), param=param) from e
+        except ValueError as e:
+            param = prompt_param if "prompt" in str(e) else "max_tokens"
+            raise InvalidRequestError(str(e), param=param) from e
+
+    async def until_disconnected(self, request: Request, work: Awaitable[T]) -> T:
+        """Await `work` unless the client leaves first; then cancel it (aborting its engine
+        requests, whose blocks are freed at the next step) and count the disconnect."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            self.metrics.record_client_disconnect()
+            raise ClientDisconnectedError("the client disconnected")
+        finally:
+            task.cancel()
+            watcher.cancel()
+            await asyncio.gather(task, watcher, return_exceptions=True)
+
+    def hidden_ids(self, req: SamplingRequest) -> frozenset[int]:
+        """Tokens whose logprob entries read "": those the text leaves out."""
+        return self.special_ids if req.skip_special_tokens else frozenset()
+
+    def usage(self, prompts: list[PromptInput], results: list[PromptResult], num_completion_tokens: int) -> UsageInfo:
+        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        return UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+            # Per prompt, not per sample: samples 1..n-1 share sample 0's prompt blocks.
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens for r in results)),
+        )
+
+    def start_streams(
+        self, request_id: str, prompts: list[PromptInput], cache_salt: str | None
+    ) -> tuple[AsyncIterator[tuple[int, RequestOutput]], Admission]:
+        """The merged engine streams of all prompts (they start when first iterated) and
+        their admission, which the caller releases once done, in case they never started."""
+        admission = self.admit(sum(p.params.n for p in prompts))
+        gens = [
+            _admitted(
+                self.engine.generate(f"{request_id}-{i}", p.token_ids, p.params, cache_salt),
+                admission,
+                p.params.n,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        return _merge(gens), admission
+
+    async def collect(
+        self, stream: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, n: int
+    ) -> tuple[list[list[CompletionOutput]], list[PromptResult]]:
+        """The final CompletionOutput of every (prompt, sample), and what each prompt reported."""
+        finals: list[list[CompletionOutput | None]] = [[None] * n for _ in range(num_prompts)]
+        results = [PromptResult() for _ in range(num_prompts)]
+        async with aclosing(stream):
+            async for i, out in stream:
+                results[i].update(out)
+                for c in out.outputs:
+                    finals[i][c.index] = c
+        # The engine streams end only when every sample finished, so none is left None.
+        return finals, results  # type: ignore[return-value]
+
+    async def sse_events(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """`events`, then `[DONE]`. After the headers an error can only be an event; a
+        client that leaves before the end counts as a disconnect."""
+        completed = False
+        try:
+            async with aclosing(events):
+                async for event in events:
+                    yield event
+            completed = True
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - after the headers, errors can only be events
+            completed = True
+            yield sse_error_event(e)
+            yield SSE_DONE
+        finally:
+            if not completed:
+                self.metrics.record_client_disconnect()
+
+
+def new_logprobs(c: CompletionOutput, num_sent: int) -> list[dict[int, Logprob]]:
+    """The logprob entries of `c` not sent yet."""
+    # `c.logprobs` is the engine's live list (it may already hold later steps' entries);
+    # `c.token_ids` is this step's snapshot, so it bounds what belongs to this output.
+    return c.logprobs[num_sent : len(c.token_ids)] if c.logprobs is not None else []
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _params_error(e: ValueError) -> InvalidRequestError:
+    # SamplingParams messages start with the field name ("top_p must be in (0, 1]...").
+    first = str(e).split(" ", 1)[0].strip("(")
+    return InvalidRequestError(str(e), param=first if first in _SAMPLING_FIELDS else None)
+
+
+# ---- responses -----------------------------------------------------------------------------------
+def sse_event(chunk: BaseModel) -> bytes:
+    return b"data: " + chunk.model_dump_json().encode() + b"\n\n"
+
+
+def json_response(model: BaseModel) -> Response:
+    return Response(model.model_dump_json().encode(), media_type="application/json")
+
+
+def sse_response(stream: AsyncIterator[bytes], admission: Admission) -> StreamingResponse:
+    response = _ClosingStreamingResponse(
+        stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    response.admission = admission
+    return response
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes the body iterator however the response ends.
+
+    When the client leaves while our generator is parked at a `yield` (its chunk being
+    sent), Starlette cancels the send and drops the generator; its cleanup would then
+    wait for garbage collection. Closing it here aborts the engine requests now.
+    """
+
+    admission: Admission | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            if self.admission is not None:  # a stream that never started still held places
+                self.admission.release_all()

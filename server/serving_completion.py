@@ -1,0 +1,201 @@
+"""POST /v1/completions: prompts (text or token ids) in, one choice per (prompt, sample) out.
+
+With `echo` the prompt's text goes in front of each choice's text; with `echo` and
+`logprobs` the prompt tokens' logprobs (computed by the engine as `prompt_logprobs`) go in
+front of the generated ones - what perplexity / lm-eval clients send, usually with
+`max_tokens: 0`. Streamed, the echoed prompt and its logprobs go in each choice's first
+chunk.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from server.errors import InternalServerError, InvalidRequestError
+from server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    completion_logprobs,
+    echo_logprobs,
+)
+from server.serving import (
+    OpenAIServing,
+    PromptInput,
+    PromptResult,
+    json_response,
+    new_logprobs,
+    read_request,
+    sse_event,
+    sse_response,
+)
+
+
+@dataclass(slots=True)
+class _ChoiceStream:
+    """Where one streamed choice stands."""
+
+    started: bool = False
+    """Its first chunk (which carries the echo) went out."""
+    num_logprobs_sent: int = 0
+    text_offset: int = 0
+    num_tokens: int = 0
+    held_text: str = ""
+    """Text not sent yet: only while the first chunk waits for the prompt's logprobs."""
+    held: CompletionOutput | None = None
+    """The latest output of a choice whose first chunk waits for the prompt's logprobs."""
+
+
+class CompletionServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create_completion(self, request: Request) -> Response:
+        serving = self.serving
+        req = await read_request(request, CompletionRequest, serving.config.max_body_bytes)
+        serving.check_model(req.model)
+        if req.max_tokens == 0 and not req.echo:
+            raise InvalidRequestError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = serving.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+        prompts = await serving.tokenizers.run(self._tokenize, req.prompts, req.echo, params)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stream, admission = serving.start_streams(request_id, prompts, req.cache_salt)
+        if req.stream:
+            events = self._stream(req, request_id, created, prompts, stream)
+            return sse_response(serving.sse_events(events), admission)
+        try:
+            finals, results = await serving.until_disconnected(request, serving.collect(stream, len(prompts), req.n))
+        finally:
+            admission.release_all()
+        hidden_ids = serving.hidden_ids(req)
+        choices = []
+        num_completion_tokens = 0
+        for i, prompt in enumerate(prompts):
+            for c in finals[i]:
+                num_completion_tokens += len(c.token_ids)
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs, offset = _echoed_logprobs(prompt, results[i]) if req.echo else (None, 0)
+                    logprobs, _ = completion_logprobs(c.logprobs or [], offset, hidden_ids, into=logprobs)
+                choices.append(
+                    CompletionChoice(
+                        index=i * req.n + c.index,
+                        text=(prompt.text or "") + c.text if req.echo else c.text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        response = CompletionResponse(
+            id=request_id, created=created, model=serving.model_name, choices=choices,
+            usage=serving.usage(prompts, results, num_completion_tokens),
+        )
+        return json_response(response)
+
+    def _tokenize(self, tokenizer: Any, raw: list[str | list[int]], echo: bool, params: SamplingParams) -> list[PromptInput]:
+        serving = self.serving
+        prompts = []
+        for i, prompt in enumerate(raw):
+            where = "prompt" if len(raw) == 1 else f"prompt {i}"
+            if isinstance(prompt, str):
+                token_ids, text = tokenizer.encode(prompt), prompt
+            else:
+                token_ids = list(prompt)
+                if max(token_ids) >= serving.vocab_size:
+                    raise InvalidRequestError(f"{where}: token ids must be in [0, {serving.vocab_size})", param="prompt")
+                text = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) if echo else None
+            if not token_ids:
+                raise InvalidRequestError(f"{where} is empty: it tokenizes to no tokens", param="prompt")
+            prompt_params = params if params.max_tokens is not None else serving.fit_open_max_tokens(token_ids, params, "prompt")
+            serving.validate_prompt(token_ids, prompt_params, "prompt")
+            first_token = None
+            if params.prompt_logprobs is not None:
+                first_token = tokenizer.decode(token_ids[:1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            prompts.append(PromptInput(token_ids, text, prompt_params, first_token))
+        return prompts
+
+    async def _stream(
+        self, req: CompletionRequest, request_id: str, created: int, prompts: list[PromptInput],
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[bytes]:
+        serving = self.serving
+        n = req.n
+        choices = [_ChoiceStream() for _ in range(len(prompts) * n)]
+        results = [PromptResult() for _ in prompts]
+        hidden_ids = serving.hidden_ids(req)
+        # Echo with logprobs: a choice's first chunk waits for its prompt's logprobs, which
+        # come with sample 0's first output (another sample can come out earlier).
+        needs_prompt_logprobs = req.echo and req.logprobs is not None
+
+        def chunk(i: int, c: CompletionOutput) -> bytes | None:
+            choice = choices[i * n + c.index]
+            text, choice.held_text, choice.held = choice.held_text, "", None
+            logprobs: CompletionLogprobs | None = None
+            if not choice.started:
+                choice.started = True
+                if req.echo:
+                    text = (prompts[i].text or "") + text
+                if needs_prompt_logprobs:
+                    logprobs, choice.text_offset = _echoed_logprobs(prompts[i], results[i])
+            if req.logprobs is not None:
+                new = new_logprobs(c, choice.num_logprobs_sent)
+                choice.num_logprobs_sent += len(new)
+                if new:
+                    logprobs, choice.text_offset = completion_logprobs(new, choice.text_offset, hidden_ids, into=logprobs)
+            if not text and logprobs is None and c.finish_reason is None:
+                return None
+            return sse_event(
+                CompletionStreamResponse(
+                    id=request_id, created=created, model=serving.model_name,
+                    choices=[CompletionChoice(index=i * n + c.index, text=text, logprobs=logprobs,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                )
+            )
+
+        async with aclosing(stream):
+            async for i, out in stream:
+                results[i].update(out)
+                waiting = needs_prompt_logprobs and results[i].prompt_logprobs is None
+                for c in out.outputs:
+                    choice = choices[i * n + c.index]
+                    choice.num_tokens = len(c.token_ids)
+                    choice.held_text += c.delta_text
+                    if waiting and not choice.started:
+                        choice.held = c
+                    elif (event := chunk(i, c)) is not None:
+                        yield event
+                if needs_prompt_logprobs and not waiting:
+                    # The prompt's logprobs arrived: release the samples that came out before them.
+                    for choice in choices[i * n : (i + 1) * n]:
+                        if choice.held is not None and (event := chunk(i, choice.held)) is not None:
+                            yield event
+        if req.include_usage:
+            yield sse_event(
+                CompletionStreamResponse(
+                    id=request_id, created=created, model=serving.model_name, choices=[],
+                    usage=serving.usage(prompts, results, sum(c.num_tokens for c in choices)),
+                )
+            )
+
+
+def _echoed_logprobs(prompt: PromptInput, result: PromptResult) -> tuple[CompletionLogprobs, int]:
+    """The prompt's logprob entries for an echo, and the text offset after them."""
+    entries = result.prompt_logprobs
+    if entries is None or len(entries) != len(prompt.token_ids) or prompt.first_token is None:
+        # Misaligned entries would pair logprobs with the wrong tokens: fail loudly instead.
+        got = "none" if entries is None else len(entries)
+        raise InternalServerError(f"the engine returned {got} prompt logprobs for {len(prompt.token_ids)} prompt tokens")
+    return echo_logprobs(prompt.first_token, entries)
