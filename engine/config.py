@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from engine.quantization import METHODS as QUANTIZATION_METHODS
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -35,7 +37,7 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest sequence (prompt + output) served; default: the model's max_position_embeddings."""
     quantization: str | None = None
-    """Weight quantization method (not available yet: see the quantization issue)."""
+    """Load-time RTN weight-only quantization of the decoder linears: int8 (per-channel) or int4 (group 128); None = float."""
     seed: int = 0
     """Seed of the global sampling generator (requests without their own seed)."""
     device: str = "auto"
@@ -46,8 +48,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.quantization is not None:
-            raise ValueError(f"quantization {self.quantization!r} is not supported yet")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
 

@@ -73,7 +73,7 @@ class EngineCore:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{args.max_position_embeddings}"
             )
-        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len, mc.quantization)
         eos_ids = _eos_token_ids(self.model_path, self.tokenizer)
         self.eos_token_id = eos_ids[0] if eos_ids else None
         # Llama-3-style configs list several end tokens; the rest stop like stop_token_ids.

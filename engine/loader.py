@@ -20,7 +20,9 @@ def load_hf_config(path: Path):
     return cfg
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, max_positions: int, quantization: str | None = None
+) -> LlamaForCausalLM:
     args = ModelArgs.from_hf_config(load_hf_config(path))
     with torch.device("meta"):
         model = LlamaForCausalLM(args, max_positions)
@@ -55,6 +57,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     missing = sorted(name for name, left in pending.items() if left)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for {missing[:5]}")
+    if quantization is not None:
+        from engine.quantization.rtn import convert_model
+
+        convert_model(model, quantization)
     return model.eval().requires_grad_(False)
 
 
