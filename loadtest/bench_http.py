@@ -14,23 +14,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import socket
-import statistics
-import subprocess
 import sys
+import tempfile
 import time
-
-import httpx
+from pathlib import Path
 
 from loadtest.bench_offline import make_prompts
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from loadtest.client import RequestParams
+from loadtest.datasets import BenchRequest
+from loadtest.runner import LoadSpec, run_load
+from loadtest.servers import LaunchedServer, pagoda_spec
+from loadtest.summary import summarize
 
 
 def offline_tok_s(prompts: list[str], max_tokens: int, dtype: str) -> float:
@@ -45,69 +39,20 @@ def offline_tok_s(prompts: list[str], max_tokens: int, dtype: str) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
 
 
-async def _stream_one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[int, float, list[float]]:
-    """Returns (completion tokens, TTFT, inter-chunk gaps) of one streamed completion."""
-    body = {
-        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    first = None
-    last = t0
-    gaps: list[float] = []
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            now = time.perf_counter()
-            if chunk.get("choices"):
-                if first is None:
-                    first = now - t0
-                else:
-                    gaps.append(now - last)
-                last = now
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return tokens, first or 0.0, gaps
-
-
-async def http_run(url: str, prompts: list[str], max_tokens: int) -> dict:
-    limits = httpx.Limits(max_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.gather(*[_stream_one(client, p, 8) for p in prompts[:4]])  # warm-up
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*[_stream_one(client, p, max_tokens) for p in prompts])
-        wall = time.perf_counter() - t0
-    tokens = sum(r[0] for r in results)
-    gaps = [g for r in results for g in r[2]]
+def http_run(url: str, prompts: list[str], max_tokens: int) -> dict:
+    """All prompts at once as streamed /v1/completions (the loadtest client), after a warm-up."""
+    requests = [BenchRequest(max_tokens, prompt=p) for p in prompts]
+    params = RequestParams(model=None, temperature=0.0, fixed_length_fields=lambda n: {"ignore_eos": True})
+    outcome = asyncio.run(run_load(url, requests, requests[:4], params, LoadSpec(concurrency=len(requests))))
+    s = summarize(outcome.results, outcome.wall_s)
+    if s["failed"]:
+        raise RuntimeError(f"{s['failed']} requests failed: {s['first_errors']}")
     return {
-        "tok_s": tokens / wall,
-        "tokens": tokens,
-        "median_ttft_s": statistics.median(r[1] for r in results),
-        "median_itl_s": statistics.median(gaps) if gaps else 0.0,
+        "tok_s": s["output_throughput"],
+        "tokens": s["output_tokens"],
+        "median_ttft_s": s["ttft"]["median_ms"] / 1000,
+        "median_itl_s": s["itl"]["median_ms"] / 1000 if s["itl"] else 0.0,
     }
-
-
-def serve(port: int, dtype: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--dtype", dtype, "--no-access-log"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode(errors='replace')[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy in 180 s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,16 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     print("[bench] offline engine ...", file=sys.stderr, flush=True)
     offline = offline_tok_s(prompts, args.max_tokens, args.dtype)
     print("[bench] HTTP server ...", file=sys.stderr, flush=True)
-    port = _free_port()
-    proc = serve(port, args.dtype)
-    try:
-        http = asyncio.run(http_run(f"http://127.0.0.1:{port}", prompts, args.max_tokens))
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryDirectory(prefix="bench-http-") as log_dir:
+        server = LaunchedServer(pagoda_spec(None, args.dtype, []), Path(log_dir))
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            server.wait_ready(180)
+            http = http_run(server.url, prompts, args.max_tokens)
+        finally:
+            server.stop()
 
     ratio = http["tok_s"] / offline
     print(f"\nHTTP vs offline: {args.concurrency} concurrent streams, {args.max_tokens} tokens each, {args.dtype}\n")

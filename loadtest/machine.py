@@ -1,0 +1,56 @@
+"""How busy the machine was with other work while a run went on (Linux /proc; else None).
+
+On a shared machine another process's CPU use skews every figure, so each run reports it:
+other = (busy CPU seconds of the whole machine - this process's - the server's) / wall
+seconds, busy = user + nice + system + irq + softirq from /proc/stat. The server's share
+is known only for a server this tool started (its pid); for --base-url it counts as other.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def _busy_seconds() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_seconds(pid: int) -> float | None:
+    """user + system seconds of ``pid`` (all its threads) and of its reaped children."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    utime, stime, cutime, cstime = (int(x) for x in after_name[11:15])
+    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherCpu:
+    """Started at construction; ``cores()`` is the other processes' average CPU use since."""
+
+    def __init__(self, server_pid: int | None = None) -> None:
+        self.server_pid = server_pid
+        self._start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float, float] | None:
+        busy = _busy_seconds()
+        if busy is None:
+            return None
+        own = os.times()
+        server = _process_seconds(self.server_pid) if self.server_pid else 0.0
+        return busy, own.user + own.system, server or 0.0, time.perf_counter()
+
+    def cores(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None:
+            return None
+        busy, own, server, wall = (e - s for e, s in zip(end, self._start))
+        return max(0.0, busy - own - server) / wall if wall > 0 else None
