@@ -52,16 +52,25 @@ class AsyncEngine:
         max_waiting_requests: int = 1024,
         on_step: Callable[[StepStats], None] | None = None,
     ) -> None:
-        self.core = EngineCore(config)
-        self.core.on_step = on_step
+        # The engine thread builds EngineCore and runs every step: all torch work stays on
+        # one thread, so there is one OpenMP thread team. A second team (model loaded on the
+        # caller's thread, steps on this one) oversubscribes the cores, and libgomp then
+        # stops spin-waiting: measured here, a batch-1 decode step went from 20 to 31 ms.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_ready = threading.Event()
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, args=(config, on_step), name="pagoda-engine-loop", daemon=True)
+        self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
         self.config = config
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
         self.max_waiting_requests = max_waiting_requests
         self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.last_step_time = time.monotonic()
@@ -69,19 +78,19 @@ class AsyncEngine:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
+        """Begin stepping; call from the event loop that consumes the outputs."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
-        self._thread.start()
+        self._loop_ready.set()
 
     def shutdown(self) -> None:
         self._stop.set()
         self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._loop_ready.set()
+        self._thread.join(timeout=10)
 
     @property
     def is_alive(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.error is None and self._loop is not None and self._thread.is_alive()
 
     def seconds_since_progress(self) -> float:
         """Time since the last step while work is pending (0 when idle): stall detection."""
@@ -156,6 +165,19 @@ class AsyncEngine:
             self._inbox.put(_Abort(f"{request_id}-{j}"))
 
     # ---- the engine loop (background thread) ----------------------------------------------
+    def _main(self, config: EngineConfig, on_step: Callable[[StepStats], None] | None) -> None:
+        try:
+            self.core = EngineCore(config)
+            self.core.on_step = on_step
+        except BaseException as e:  # noqa: BLE001 - re-raised on the constructing thread
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
+        self._loop_ready.wait()
+        if not self._stop.is_set():
+            self._run()
+
     def _run(self) -> None:
         core = self.core
         try:
