@@ -181,7 +181,7 @@ class EngineCore:
             return None
         stats = None
         if self.on_step is not None:
-            stats = StepStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, kv_cache_tail_waste_tokens=0, num_scheduled_tokens=0)
+            stats = self._new_step_stats(None)
         self._finish(request, RequestStatus.FINISHED_ABORTED, stats)
         if stats is not None:
             self._report(stats)
@@ -245,10 +245,11 @@ class EngineCore:
             self._report(stats)
         return StepFailedError(failed, error)
 
-    def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
+    def _new_step_stats(self, sched: SchedulerOutput | None) -> StepStats:
+        """Counters start at zero; the gauges are filled by _report after the change."""
         return StepStats(
             num_running=0, num_waiting=0, kv_cache_usage=0.0, kv_cache_tail_waste_tokens=0,
-            num_scheduled_tokens=sched.total_num_scheduled_tokens,
+            num_scheduled_tokens=0 if sched is None else sched.total_num_scheduled_tokens,
         )
 
     def _report(self, stats: StepStats) -> None:

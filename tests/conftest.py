@@ -29,3 +29,30 @@ def tiny_model_path(tmp_path_factory, default_model_path):
         if (default_model_path / name).exists():
             shutil.copy(default_model_path / name, path / name)
     return path
+
+
+@pytest.fixture
+def record_schedules():
+    """`record(core)` wraps the core's Scheduler.schedule for this test and returns the list
+    it fills: per step, (SchedulerOutput, ids of requests given a prefill chunk that leaves
+    tokens uncomputed) - the second judged at schedule time, before the step runs."""
+    wrapped = []
+
+    def record(core):
+        steps = []
+        original = core.scheduler.schedule
+
+        def recording():
+            out = original()
+            partial = [r.request_id for r, n in zip(out.scheduled, out.num_scheduled_tokens)
+                       if r.num_computed_tokens + n < r.num_tokens]
+            steps.append((out, partial))
+            return out
+
+        core.scheduler.schedule = recording
+        wrapped.append((core.scheduler, original))
+        return steps
+
+    yield record
+    for scheduler, original in wrapped:
+        scheduler.schedule = original

@@ -161,7 +161,7 @@ def test_prefix_caching_off_caches_nothing(tiny_model_path):
     assert off.engine_core.block_manager.cached_blocks == {}
 
 
-def test_n_samples_equal_separate_seeded_requests_and_share_prompt_blocks(llm, tiny_model_path):
+def test_n_samples_equal_separate_seeded_requests_and_share_prompt_blocks(llm, tiny_model_path, record_schedules):
     prompt = llm.tokenizer.encode(SYSTEM + "Tell me a story.")
     assert len(prompt) % 16, "the prompt must end in a partial block to exercise copy-on-write"
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
@@ -179,15 +179,7 @@ def test_n_samples_equal_separate_seeded_requests_and_share_prompt_blocks(llm, t
     for j in range(4):
         core.add_request(f"fork-{j}", prompt, SamplingParams(temperature=1.0, seed=5 + j, max_tokens=10, ignore_eos=True),
                          fork_of="fork-0" if j else None)
-    copies = []
-    step_schedule = core.scheduler.schedule
-
-    def recording():
-        out = step_schedule()
-        copies.extend(out.blocks_to_copy)
-        return out
-
-    core.scheduler.schedule = recording
+    steps = record_schedules(core)
     try:
         while any(core.requests[f"fork-{j}"].num_output_tokens < 2 for j in range(4)):
             core.step()
@@ -195,9 +187,8 @@ def test_n_samples_equal_separate_seeded_requests_and_share_prompt_blocks(llm, t
         full = len(prompt) // 16
         assert all(t[:full] == tables[0][:full] for t in tables)
         assert len({t[full] for t in tables}) == 4  # each sample's own partial block
-        assert len(copies) >= 3  # the three forks copied the shared partial block
+        assert sum(len(out.blocks_to_copy) for out, _ in steps) >= 3  # the three forks copied the shared partial block
     finally:
-        core.scheduler.schedule = step_schedule
         for j in range(4):
             core.abort_request(f"fork-{j}")
     assert core.block_manager.num_free_blocks == core.num_blocks

@@ -82,7 +82,7 @@ def prompts_and_hf_tokens(triton_model_path):
     return prompts, expected
 
 
-def test_triton_engine_greedy_equals_hf_with_chunked_prefill_and_preemption(triton_model_path, prompts_and_hf_tokens):
+def test_triton_engine_greedy_equals_hf_with_chunked_prefill_and_preemption(triton_model_path, prompts_and_hf_tokens, record_schedules):
     prompts, expected = prompts_and_hf_tokens
     # 20 blocks of 4 tokens hold the longest request (69 tokens) but not all three: preemption.
     # A 16-token budget splits the 23- and 61-token prompts into chunks mixed with decodes.
@@ -92,26 +92,16 @@ def test_triton_engine_greedy_equals_hf_with_chunked_prefill_and_preemption(trit
     )
     core = llm.engine_core
     assert core.ops.backend == "triton"
-    chunked = []
-    schedule = core.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        for request, n in zip(out.scheduled, out.num_scheduled_tokens):
-            if request.num_computed_tokens + n < request.num_tokens:
-                chunked.append(request.request_id)
-        return out
-
-    core.scheduler.schedule = recording_schedule
+    steps = record_schedules(core)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS))
     assert core.scheduler.num_preemptions > 0
-    assert chunked, "no prefill was split into chunks"
+    assert any(partial for _, partial in steps), "no prefill was split into chunks"
     for i, (out, exp) in enumerate(zip(outs, expected)):
         assert out.outputs[0].token_ids == exp, f"prompt {i} ({len(prompts[i])} tokens)"
     assert core.block_manager.num_free_blocks == core.num_blocks
 
 
-def test_triton_forked_samples_equal_torch_backend(triton_model_path, prompts_and_hf_tokens):
+def test_triton_forked_samples_equal_torch_backend(triton_model_path, prompts_and_hf_tokens, record_schedules):
     """n > 1 forks share the prompt's blocks and copy-on-write the partial one (triton_copy);
     the seeded samples equal the torch backend's."""
     prompt = prompts_and_hf_tokens[0][1]  # 23 tokens: its last token sits inside a shared block of 4
@@ -120,17 +110,9 @@ def test_triton_forked_samples_equal_torch_backend(triton_model_path, prompts_an
     for backend in ("triton", "torch"):
         llm = LLM(model=str(triton_model_path), dtype="float32", kernel_backend=backend, block_size=BLOCK_SIZE,
                   num_gpu_blocks_override=64, max_model_len=128)
-        copies = []
-        schedule = llm.engine_core.scheduler.schedule
-
-        def recording_schedule(schedule=schedule, copies=copies):
-            out = schedule()
-            copies.extend(out.blocks_to_copy)
-            return out
-
-        llm.engine_core.scheduler.schedule = recording_schedule
+        steps = record_schedules(llm.engine_core)
         outs[backend] = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
-        assert copies, "the forks never copied a shared block"
+        assert any(out.blocks_to_copy for out, _ in steps), "the forks never copied a shared block"
         assert llm.engine_core.block_manager.num_free_blocks == llm.engine_core.num_blocks
     assert outs["triton"] == outs["torch"]
     assert len({tuple(t) for t in outs["triton"]}) > 1
