@@ -1,14 +1,26 @@
-"""Build a model from a Hugging Face folder: config via transformers, weights from safetensors."""
+"""Build a model from a Hugging Face folder: config via transformers, weights from safetensors.
+
+Quantized checkpoints (config.json `quantization_config`: AutoAWQ, AutoGPTQ, Pagoda INT8 /
+W8A8; layouts in engine/quantization/checkpoint.py) load as they are: every module whose
+`qweight` is in the checkpoint is built from its integers, scales and zeros, its
+unfused shards (q/k/v, gate/up) concatenated along N into our fused layer, and becomes
+the runtime module (`Int4Linear` / `Int8Linear` / `W8A8Linear`; GPTQ act-order through
+an input permutation, see weights.py). Its float weight is never allocated.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from engine.models.llama import STACKED_PARAMS, LlamaForCausalLM, ModelArgs, RotaryEmbedding
+from engine.dummy_model import init_dummy_weights
+from engine.models.llama import STACKED_PARAMS, Linear, LlamaForCausalLM, ModelArgs, RotaryEmbedding
+from engine.quantization.checkpoint import CheckpointQuantization, concat_shards, parse_quantization_config, unpack
+from engine.quantization.weights import QuantizedLinear, runtime_module
 
 _SUPPORTED = {"llama", "mistral", "qwen2"}
 
@@ -21,28 +33,52 @@ def load_hf_config(path: Path):
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device, max_positions: int, quantization: str | None = None
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    quantization: str | None = None,
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
     args = ModelArgs.from_hf_config(load_hf_config(path))
+    files = [] if load_format == "dummy" else sorted(path.glob("*.safetensors"))
+    if load_format != "dummy" and not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    spec = checkpoint_quantization(path)
+    if spec is not None and quantization is not None:
+        raise ValueError(f"{path} is already quantized ({spec.layout}); load it without --quantization")
+    prefixes = _quantized_modules(files) if spec is not None else set()
+    qlinears = read_quantized_linears(files, prefixes, spec) if prefixes else {}
+
     with torch.device("meta"):
         model = LlamaForCausalLM(args, max_positions)
+    for name, ql in qlinears.items():
+        linear = model.get_submodule(name) if _has_module(model, name) else None
+        if not isinstance(linear, Linear):
+            raise ValueError(f"the checkpoint quantizes {name!r}, which is not a linear layer of this model")
+        if ql.shape != tuple(linear.weight.shape):
+            raise ValueError(f"{name}: quantized weight is {list(ql.shape)}, the model needs {list(linear.weight.shape)}")
+        linear.weight = None  # replaced below: the float weight is never materialised
+        linear.bias = None  # a quantized module's bias comes with its other tensors
     model.to_empty(device=device)
     model.to(dtype)
-    if args.tie_word_embeddings:
+    if args.tie_word_embeddings and model.lm_head.weight is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Non-persistent buffers (RoPE tables) were built on meta: rebuild them for real.
     model.rope = RotaryEmbedding(args, max_positions).to(device)
 
     params = dict(model.named_parameters())
     pending = {name: p.numel() for name, p in params.items()}  # elements still to load
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+    if load_format == "dummy":
+        init_dummy_weights(model)  # no checkpoint: every weight is drawn, none is pending
+        pending.clear()
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    if name.rpartition(".")[0] in prefixes:
                         continue
                     if name == "lm_head.weight" and args.tie_word_embeddings:
                         continue
@@ -57,11 +93,77 @@ def load_model(
     missing = sorted(name for name, left in pending.items() if left)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for {missing[:5]}")
+    for name, ql in qlinears.items():
+        parent, _, leaf = name.rpartition(".")
+        try:
+            module = runtime_module(ql, dtype, device, w8a8=spec.layout == "w8a8" and name != "lm_head")
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+        setattr(model.get_submodule(parent), leaf, module)
     if quantization is not None:
         from engine.quantization.rtn import convert_model
 
         convert_model(model, quantization)
     return model.eval().requires_grad_(False)
+
+
+def checkpoint_quantization(path: Path) -> CheckpointQuantization | None:
+    """The folder's `quantization_config` (None: a float checkpoint)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    cfg = json.loads(config_file.read_text()).get("quantization_config")
+    return None if not cfg else parse_quantization_config(cfg)
+
+
+def _quantized_modules(files: list[Path]) -> set[str]:
+    """Checkpoint module names that hold a `qweight`."""
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.update(key[: -len(".qweight")] for key in f.keys() if key.endswith(".qweight"))
+    return names
+
+
+def read_quantized_linears(files: list[Path], prefixes: set[str], spec: CheckpointQuantization) -> dict[str, QuantizedLinear]:
+    """{our module name: QuantizedLinear} of the checkpoint modules `prefixes`, the shards of
+    a fused layer (`...q_proj`, `...k_proj`, `...v_proj` -> `...qkv_proj`) stacked along N."""
+    shards: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                prefix, _, attr = key.rpartition(".")
+                if prefix in prefixes:
+                    name, index = _fused_name(prefix)
+                    shards.setdefault(name, {}).setdefault(index, {})[attr] = f.get_tensor(key)
+    out = {}
+    for name, parts in shards.items():
+        leaf = name.rpartition(".")[2]
+        expected = 1 + max((i for fused, i in STACKED_PARAMS.values() if fused == leaf), default=0)
+        if sorted(parts) != list(range(expected)):
+            raise ValueError(f"{name}: the checkpoint quantizes only some of its {expected} parts")
+        try:
+            out[name] = concat_shards([unpack(parts[i], spec) for i in range(expected)])
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+    return out
+
+
+def _fused_name(prefix: str) -> tuple[str, int]:
+    """Checkpoint module `...q_proj` -> (`...qkv_proj`, 0); any other -> (itself, 0)."""
+    parent, _, leaf = prefix.rpartition(".")
+    if leaf in STACKED_PARAMS:
+        fused, index = STACKED_PARAMS[leaf]
+        return f"{parent}.{fused}", index
+    return prefix, 0
+
+
+def _has_module(model: torch.nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _target(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: str) -> tuple[str, torch.Tensor]:

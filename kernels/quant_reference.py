@@ -6,6 +6,12 @@ W4A16: `qweight` int32 [K / 8, N], 8 nibbles per int32 in AutoGPTQ's sequential 
 `zeros` [K / group_size, N] integer zero points, or None for the symmetric zero point 8;
 w[n, k] = scales[k // g, n] * (q[n, k] - zeros[k // g, n]).
 The references dequantize the whole weight, then run one matmul in the activation dtype.
+
+W8A8: activations are quantized per token (symmetric int8, one scale per row,
+s = absmax / 127, q = round(x * (127 / absmax)) with halves to even; an all-zero row
+gets s = 0, q = 0), weights per output channel (`qweight` int8 [N, K], `w_scale` [N]);
+the GEMM accumulates int8 x int8 exactly in int32, then
+out = acc * x_scale[m] * w_scale[n] (+ bias), in fp32 before the cast to `out_dtype`.
 """
 
 from __future__ import annotations
@@ -55,3 +61,39 @@ def w4a16_linear_ref(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     return F.linear(x, dequantize_w4_ref(qweight, scales, zeros, group_size, x.dtype), bias)
+
+
+def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], x_scale float32 [M, 1]), computed in fp32.
+
+    Multiplying by 127 / absmax (one IEEE division per row) rather than dividing by the
+    stored scale is what the Triton kernel does too, so the two agree bit for bit.
+    """
+    xf = x.float()
+    absmax = xf.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    q = torch.round(xf * inv).clamp(-127, 127).to(torch.int8)
+    return q, absmax / 127.0
+
+
+def int8_matmul_ref(qx: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """qx int8 [M, K] @ qweight int8 [N, K]^T -> int32 [M, N], exactly.
+
+    In float64 (CPU and CUDA both have it; neither has an integer GEMM for every shape):
+    every product and partial sum is an integer below 2^53, so no rounding happens.
+    """
+    return (qx.double() @ qweight.double().t()).to(torch.int32)
+
+
+def w8a8_linear_ref(
+    qx: torch.Tensor,  # [M, K] int8
+    x_scale: torch.Tensor,  # [M, 1] float32
+    qweight: torch.Tensor,  # [N, K] int8
+    w_scale: torch.Tensor,  # [N]
+    bias: torch.Tensor | None = None,  # [N]
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    out = int8_matmul_ref(qx, qweight).float() * x_scale.float() * w_scale.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)

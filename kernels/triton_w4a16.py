@@ -2,12 +2,25 @@
 
 Same signature and layout as `kernels.quant_reference.w4a16_linear_ref` (AutoGPTQ
 `qweight` [K / 8, N] int32, sequential nibbles along K; per-group scales and optional
-integer zeros [K / G, N]). One program computes a BLOCK_M x BLOCK_N tile, walking K in
-BLOCK_K steps (BLOCK_K divides every supported group size, so each step reads one group
-row of scales/zeros per column). A GEMV-specialised path for 1-16 rows is not here yet.
+integer zeros [K / G, N]). Each program loads a [BLOCK_K / 8, BLOCK_N] tile of packed
+int32 once, shifts it out to [BLOCK_K / 8, 8, BLOCK_N] nibbles, applies the scale and
+zero of each packed row (gathered: 8 consecutive k always share a group) and reshapes to
+the [BLOCK_K, BLOCK_N] operand of a 16-bit `tl.dot` (fp32 accumulate).
+
+Two launch shapes of the one kernel (`_w4a16_config`):
+- decode, M <= 16: one 16-row tile (tensor-core minimum; padding rows are masked loads,
+  free in a weight-bound GEMV), narrow N tiles and split-K so that ~2 programs per SM
+  stream weights: Llama-3-8B's down_proj (N = 4096) has only 64 N tiles for 132 SMs.
+  Split-K partials go to an fp32 [SPLIT_K, M, N] buffer the launcher sums (deterministic,
+  unlike atomics; for that down_proj, 5 splits on an H200, the buffer is written and read
+  once: 0.3% of the weight bytes at M = 1, 9% at M = 16).
+- prefill, M > 16: 64- or 128-row tiles in grouped launch order (weight tiles reused
+  from L2 across row tiles), no split.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -15,7 +28,8 @@ import triton.language as tl
 
 from kernels.triton_runtime import check_device_runs_triton
 
-_BLOCK_K = 32  # divides group sizes 32/64/128; 4 int32 rows of qweight
+DECODE_MAX_ROWS = 16
+_INTERPRETER_SMS = 4  # the interpreter has no SMs; small enough that tests reach split-K
 
 
 @triton.jit
@@ -25,46 +39,95 @@ def _w4a16_kernel(
     scales_ptr,  # [K // GROUP_SIZE, N]
     zeros_ptr,  # [K // GROUP_SIZE, N] integer zero points (unused unless HAS_ZEROS)
     bias_ptr,  # [N] (unused unless HAS_BIAS)
-    out_ptr,  # [M, N]
+    out_ptr,  # [M, N] when SPLIT_K == 1, else fp32 partials [SPLIT_K, M, N]
     M,
     N,
     K,
+    K_PER_SPLIT,  # multiple of BLOCK_K
     stride_xm: tl.int64,
     stride_qk: tl.int64,
     stride_sk: tl.int64,
     stride_zk: tl.int64,
     stride_om: tl.int64,
+    stride_os: tl.int64,
     GROUP_SIZE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    shifts = tl.arange(0, 8) * 4
+    k_start = tl.program_id(1) * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-        packed = tl.load(
-            qweight_ptr + (offs_k[:, None] // 8).to(tl.int64) * stride_qk + offs_n[None, :], mask=mask_n[None, :], other=0
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+            mask=mask_m[:, None] & (offs_k[None, :] < K),
+            other=0.0,
         )
-        q = (packed >> ((offs_k[:, None] % 8) * 4)) & 0xF  # [BLOCK_K, BLOCK_N]
-        group = k0 // GROUP_SIZE
-        scale = tl.load(scales_ptr + group * stride_sk + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # packed rows = groups of 8 consecutive k
+        mask_w = (rows[:, None] < K // 8) & mask_n[None, :]
+        packed = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask_w, other=0)
+        group_rows_k = (rows // (GROUP_SIZE // 8)).to(tl.int64)
+        scale = tl.load(scales_ptr + group_rows_k[:, None] * stride_sk + offs_n[None, :], mask=mask_w, other=0.0)
+        q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
         if HAS_ZEROS:
-            zero = tl.load(zeros_ptr + group * stride_zk + offs_n, mask=mask_n, other=0).to(tl.float32)
+            zero = tl.load(zeros_ptr + group_rows_k[:, None] * stride_zk + offs_n[None, :], mask=mask_w, other=0)
+            w = (q.to(tl.float32) - zero.to(tl.float32)[:, None, :]) * scale.to(tl.float32)[:, None, :]
         else:
-            zero = tl.full((BLOCK_N,), 8.0, dtype=tl.float32)
-        w = (q.to(tl.float32) - zero[None, :]) * scale[None, :]
+            w = (q.to(tl.float32) - 8.0) * scale.to(tl.float32)[:, None, :]
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N))
         acc += tl.dot(x.to(x_ptr.dtype.element_ty), w.to(x_ptr.dtype.element_ty))
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        out = out_ptr + tl.program_id(1) * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, acc, mask=mask)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _w4a16_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
+    """Tiles and split-K for an [M, K] x [K, N] product (the decode / prefill shapes above)."""
+    if m <= DECODE_MAX_ROWS:
+        config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    elif m <= 64:
+        config = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+    else:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+                "SPLIT_K": 1, "K_PER_SPLIT": k}
+    tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+    k_blocks = triton.cdiv(k, config["BLOCK_K"])
+    wanted = min(max(triton.cdiv(2 * num_sms, tiles), 1), k_blocks)
+    k_per_split = triton.cdiv(k_blocks, wanted) * config["BLOCK_K"]
+    return {**config, "SPLIT_K": triton.cdiv(k, k_per_split), "K_PER_SPLIT": k_per_split}
 
 
 def w4a16_linear(
@@ -84,12 +147,20 @@ def w4a16_linear(
         raise ValueError(f"K={k} must match qweight {tuple(qweight.shape)} and be a multiple of group_size {group_size} (32/64/128)")
     if scales.shape != (k // group_size, n) or (zeros is not None and zeros.shape != scales.shape):
         raise ValueError(f"scales/zeros must be [{k // group_size}, {n}]")
-    x = x.contiguous()
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
     qweight, scales = qweight.contiguous(), scales.contiguous()
     zeros = zeros.contiguous() if zeros is not None else None
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m, block_n = 16, 32
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    if m == 0:
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
+    config = _w4a16_config(m, n, k, _num_sms(x.device))
+    split_k = config["SPLIT_K"]
+    if split_k == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split_k)
     _w4a16_kernel[grid](
         x_ptr=x,
         qweight_ptr=qweight,
@@ -104,12 +175,16 @@ def w4a16_linear(
         stride_qk=qweight.stride(0),
         stride_sk=scales.stride(0),
         stride_zk=zeros.stride(0) if zeros is not None else 0,
-        stride_om=out.stride(0),
+        stride_om=out.stride(-2),
+        stride_os=out.stride(0) if split_k > 1 else 0,
         GROUP_SIZE=group_size,
         HAS_ZEROS=zeros is not None,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=_BLOCK_K,
+        HAS_BIAS=bias is not None and split_k == 1,
+        **config,
     )
-    return out
+    if split_k == 1:
+        return out
+    out = out.sum(dim=0)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)

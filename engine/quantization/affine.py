@@ -135,7 +135,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"K={k} must be a multiple of 8 to pack 8 int4 per int32")
     if q.min() < 0 or q.max() > 15:
         raise ValueError("int4 values must lie in [0, 15]")
-    nibbles = q.t().reshape(k // 8, 8, n).to(torch.int64) << _SHIFTS.to(torch.int64).view(1, 8, 1)
+    nibbles = q.t().reshape(k // 8, 8, n).to(torch.int64) << _SHIFTS.to(q.device, torch.int64).view(1, 8, 1)
     packed = nibbles.sum(dim=1)  # disjoint bits: the sum is the bitwise or, < 2^32
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 

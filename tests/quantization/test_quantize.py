@@ -1,0 +1,116 @@
+"""`pagoda quantize` (engine/quantization/quantize.py): every method writes a folder that
+loads into the same model as quantizing in memory, and serves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from engine import LLM, SamplingParams
+from engine.loader import load_model
+from engine.quantization.calibration import LayerwiseCalibration
+from engine.quantization.quantize import checkpoint_group_size, layout_of, quantize_checkpoint, quantize_linears
+from engine.quantization.rtn import Int4Linear, Int8Linear
+from engine.quantization.weights import PermutedInputLinear, replace_linears
+
+CPU = torch.device("cpu")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CALIB = {"calib_samples": 4, "seq_len": 32}
+
+
+def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    calib = LayerwiseCalibration(model, ids[None])
+    for i in range(model.args.num_hidden_layers):
+        calib.advance(i)
+    return model.compute_logits(model.model.norm(calib.hidden)).float()
+
+
+def test_method_bits_and_group_size_rules(tiny_model_path: Path) -> None:
+    assert [layout_of(*mb) for mb in [("rtn", 4), ("rtn", 8), ("awq", 4), ("gptq", 4), ("w8a8", 8)]] == [
+        "awq", "int8", "awq", "gptq", "w8a8"]
+    with pytest.raises(ValueError, match="supports --bits 4"):
+        layout_of("awq", 8)
+    with pytest.raises(ValueError, match="method must be one of"):
+        layout_of("smoothquant", 8)
+    model = load_model(tiny_model_path, torch.float32, CPU, 64)  # K = 64 and 128
+    assert checkpoint_group_size(model, 128) == 64
+    assert checkpoint_group_size(model, 32) == 32
+
+
+CASES = {
+    "rtn-int4": ("rtn", 4, False, "awq", Int4Linear),
+    "rtn-int8": ("rtn", 8, False, "pagoda", Int8Linear),
+    "awq": ("awq", 4, False, "awq", Int4Linear),
+    "gptq-act-order": ("gptq", 4, True, "gptq", PermutedInputLinear),
+    "w8a8": ("w8a8", 8, False, "pagoda", None),
+}
+
+
+@pytest.mark.parametrize(("method", "bits", "act_order", "quant_method", "kind"), list(CASES.values()), ids=list(CASES))
+def test_quantized_folder_equals_in_memory_quantization(
+    tiny_model_path: Path, tmp_path: Path, method: str, bits: int, act_order: bool, quant_method: str, kind
+) -> None:
+    out = tmp_path / method
+    config = quantize_checkpoint(tiny_model_path, out, method, bits, 128, act_order=act_order, **CALIB)
+    written = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert written == config and written["quant_method"] == quant_method
+    assert (out / "tokenizer.json").is_file() and (out / "chat_template.jinja").is_file()
+    if bits == 4:  # (at 8 bits the tiny model's extra int8 LM head outweighs its tiny linears)
+        assert (out / "model.safetensors").stat().st_size < (tiny_model_path / "model.safetensors").stat().st_size
+
+    loaded = load_model(out, torch.float32, CPU, 128)
+    if method == "w8a8":
+        from engine.quantization.w8a8 import W8A8Linear, quantize_model_w8a8
+
+        kind = W8A8Linear
+        tok = AutoTokenizer.from_pretrained(str(tiny_model_path))
+        in_memory = quantize_model_w8a8(load_model(tiny_model_path, torch.float32, CPU, 128), tok, **{
+            "num_samples": CALIB["calib_samples"], "seq_len": CALIB["seq_len"]})
+    else:
+        model = load_model(tiny_model_path, torch.float32, CPU, 128)
+        tok = AutoTokenizer.from_pretrained(str(tiny_model_path))
+        results = quantize_linears(model, tok, method, bits, 128, act_order=act_order, **CALIB)
+        in_memory = replace_linears(model, results)
+    # (act-order: only down_proj, K = 128, has two groups of 64 whose column order matters)
+    assert kind in {type(m) for m in loaded.model.layers.modules()}
+    assert isinstance(loaded.lm_head, Int8Linear) is (bits == 8)
+
+    ids = torch.randint(0, 49152, (23,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(prefill_logits(loaded, ids), prefill_logits(in_memory, ids))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    generated = LLM(model=str(out), kv_cache_memory=0.05).generate(["Hello there"], params)
+    assert len(generated[0].outputs[0].token_ids) == 5
+
+
+def test_rtn_int8_folder_equals_load_time_int8(tiny_model_path: Path, tmp_path: Path) -> None:
+    """`pagoda quantize --method rtn --bits 8` stores exactly what `--quantization int8` computes."""
+    quantize_checkpoint(tiny_model_path, tmp_path / "q", "rtn", 8)
+    ids = torch.randint(0, 49152, (19,), generator=torch.Generator().manual_seed(1))
+    stored = prefill_logits(load_model(tmp_path / "q", torch.float32, CPU, 128), ids)
+    at_load = prefill_logits(load_model(tiny_model_path, torch.float32, CPU, 128, quantization="int8"), ids)
+    assert torch.equal(stored, at_load)
+    with pytest.raises(ValueError, match="already quantized"):
+        load_model(tmp_path / "q", torch.float32, CPU, 128, quantization="int4")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", "quantize", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_writes_a_folder_and_rejects_bad_combinations(tiny_model_path: Path, tmp_path: Path) -> None:
+    ok = run_cli("--model", str(tiny_model_path), "--method", "gptq", "--bits", "4", "--group-size", "32",
+                 "--calib-samples", "2", "--calib-seq-len", "16", "--out", str(tmp_path / "g"))
+    assert ok.returncode == 0, ok.stderr
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())["quantization_config"]
+    assert (cfg["quant_method"], cfg["group_size"], cfg["sym"], cfg["desc_act"]) == ("gptq", 32, False, False)
+
+    bad = run_cli("--model", str(tiny_model_path), "--method", "awq", "--bits", "8", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "--method awq supports --bits 4" in bad.stderr, bad.stderr
+    assert not (tmp_path / "x").exists()
