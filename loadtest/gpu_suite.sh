@@ -4,10 +4,13 @@
 #     OUT=/some/dir bash loadtest/gpu_suite.sh
 #
 # 1. the kernel tests on CUDA (compiled, bf16 / fp16 / fp32 variants; the CPU-interpreter
-#    variants skip themselves), in three parallel shards since compiling dominates;
-# 2. the kernel benchmark (loadtest/bench_kernels.py), after the tests pass or not.
-# Logs and the benchmark's JSON go to $OUT (7 files); the last lines printed are the test
-# summaries and the benchmark table. Budget: under 8 minutes on one H200.
+#    variants skip themselves) and the CUDA-graph engine tests, in three parallel shards
+#    since compiling dominates;
+# 2. the kernel benchmarks (loadtest/bench_kernels.py, loadtest/bench_quant_kernels.py),
+#    after the tests pass or not;
+# 3. the engine benchmark (loadtest/bench_engine_gpu.py) in the time left.
+# Logs and the benchmarks' JSON go to $OUT; the last lines printed are the test summaries
+# and the benchmark tables. Budget: under 8 minutes on one H200.
 set -u
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
@@ -29,7 +32,8 @@ p1=$!
 timeout 330 "${PYTEST[@]}" tests/kernels/test_triton_attention.py -k "not cuda-bf16" >"$OUT/tests_attention_other.log" 2>&1 &
 p2=$!
 timeout 330 "${PYTEST[@]}" tests/kernels/test_triton_cache.py tests/kernels/test_engine_triton.py \
-  tests/kernels/test_kernel_dispatch.py tests/kernels/test_triton_compile.py >"$OUT/tests_cache_engine.log" 2>&1 &
+  tests/kernels/test_kernel_dispatch.py tests/kernels/test_triton_compile.py tests/engine/test_cuda_graphs.py \
+  >"$OUT/tests_cache_engine.log" 2>&1 &
 p3=$!
 rc=0
 for p in $p1 $p2 $p3; do wait $p || rc=1; done
@@ -37,7 +41,21 @@ echo "tests done in $(( $(date +%s) - start )) s (rc $rc)"
 
 timeout 150 "$PY" -m loadtest.bench_kernels --json "$OUT/bench_kernels.json" >"$OUT/bench_kernels.log" 2>&1
 brc=$?
+timeout 150 "$PY" -m loadtest.bench_quant_kernels --json "$OUT/bench_quant_kernels.json" >"$OUT/bench_quant_kernels.log" 2>&1 || brc=1
 echo "bench done in $(( $(date +%s) - start )) s (rc $brc)"
+
+# 3. The engine benchmark (Llama-3-8B shape, random weights) in what is left of the 8
+# minutes; it skips the sections that would not fit and prints its table last.
+left=$(( 470 - ($(date +%s) - start) ))
+erc=0
+if [ "$left" -gt 90 ]; then
+  timeout "$left" "$PY" -m loadtest.bench_engine_gpu --json "$OUT/bench_engine_gpu.json" --time-budget $(( left - 30 )) \
+    >"$OUT/bench_engine_gpu.log" 2>&1 || erc=1
+else
+  echo "engine benchmark skipped: ${left} s of the 8 minutes left" >"$OUT/bench_engine_gpu.log"
+  erc=1
+fi
+echo "engine bench done in $(( $(date +%s) - start )) s (rc $erc)"
 
 echo
 for f in tests_attention_bf16 tests_attention_other tests_cache_engine; do
@@ -46,4 +64,6 @@ for f in tests_attention_bf16 tests_attention_other tests_cache_engine; do
 done
 echo
 tail -n 8 "$OUT/bench_kernels.log"
-exit $(( rc | brc ))
+echo
+sed -n '/^| what /,$p' "$OUT/bench_engine_gpu.log" | grep . || tail -n 20 "$OUT/bench_engine_gpu.log"
+exit $(( rc | brc | erc ))
