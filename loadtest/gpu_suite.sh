@@ -4,7 +4,7 @@
 #     OUT=/some/dir bash loadtest/gpu_suite.sh
 #
 # 1. the kernel tests on CUDA (compiled, bf16 / fp16 / fp32 variants; the CPU-interpreter
-#    variants skip themselves) and the CUDA-graph engine tests, in three parallel shards
+#    variants skip themselves), the quantized-GEMM tests and the CUDA-graph engine tests, in four parallel shards
 #    since compiling dominates;
 # 2. the kernel benchmarks (loadtest/bench_kernels.py, loadtest/bench_quant_kernels.py),
 #    after the tests pass or not;
@@ -35,8 +35,11 @@ timeout 330 "${PYTEST[@]}" tests/kernels/test_triton_cache.py tests/kernels/test
   tests/kernels/test_kernel_dispatch.py tests/kernels/test_triton_compile.py tests/engine/test_cuda_graphs.py \
   >"$OUT/tests_cache_engine.log" 2>&1 &
 p3=$!
+timeout 330 "${PYTEST[@]}" tests/quantization/test_triton_w4a16.py tests/quantization/test_triton_w8a8.py \
+  tests/quantization/test_w8a8.py >"$OUT/tests_quant.log" 2>&1 &
+p4=$!
 rc=0
-for p in $p1 $p2 $p3; do wait $p || rc=1; done
+for p in $p1 $p2 $p3 $p4; do wait $p || rc=1; done
 echo "tests done in $(( $(date +%s) - start )) s (rc $rc)"
 
 timeout 150 "$PY" -m loadtest.bench_kernels --json "$OUT/bench_kernels.json" >"$OUT/bench_kernels.log" 2>&1
@@ -58,12 +61,14 @@ fi
 echo "engine bench done in $(( $(date +%s) - start )) s (rc $erc)"
 
 echo
-for f in tests_attention_bf16 tests_attention_other tests_cache_engine; do
+for f in tests_attention_bf16 tests_attention_other tests_cache_engine tests_quant; do
   echo "== $f: $(tail -n 1 "$OUT/$f.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -n 15
 done
 echo
 tail -n 8 "$OUT/bench_kernels.log"
+echo
+tail -n 12 "$OUT/bench_quant_kernels.log"
 echo
 sed -n '/^| what /,$p' "$OUT/bench_engine_gpu.log" | grep . || tail -n 20 "$OUT/bench_engine_gpu.log"
 exit $(( rc | brc | erc ))
