@@ -4,15 +4,21 @@ The loop thread drains an input queue (add/abort), calls `EngineCore.step()`, an
 each step's outputs to the asyncio loop with one `call_soon_threadsafe` per step. The
 event loop never blocks on the engine and the engine never waits for HTTP: a slow or
 vanished client only fills its own queue, and `abort` frees its blocks at the next step.
+
+Deadlines (a request's total time, its time waiting to be first scheduled) are enforced
+by the loop thread, which owns the scheduler state: an expired request is aborted there
+(its blocks freed at once) and its stream gets a typed error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
@@ -28,7 +34,15 @@ class EngineDeadError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """Too many requests waiting; retry later (HTTP 503 + Retry-After)."""
+    """Too many requests (or prompt tokens) waiting; retry later (HTTP 503 + Retry-After)."""
+
+
+class QueueTimeoutError(RuntimeError):
+    """The request was not scheduled before its queue deadline; it was aborted unstarted."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request did not finish before its deadline; it was aborted."""
 
 
 @dataclass(slots=True)
@@ -38,11 +52,24 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None = None
     fork_of: str | None = None
+    deadline: float | None = None
+    """`time.monotonic()` by which the request must have finished."""
+    queue_deadline: float | None = None
+    """`time.monotonic()` by which the request must have been scheduled."""
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(order=True, slots=True)
+class _Timer:
+    when: float
+    seq: int
+    request_id: str = field(compare=False)
+    until_scheduled: bool = field(compare=False)
+    """A queue deadline: moot once the request has been scheduled."""
 
 
 class AsyncEngine:
@@ -51,6 +78,7 @@ class AsyncEngine:
         config: EngineConfig,
         max_waiting_requests: int = 1024,
         on_step: Callable[[StepStats], None] | None = None,
+        max_waiting_tokens: int | None = None,
     ) -> None:
         # The engine thread builds EngineCore and runs every step: all torch work stays on
         # one thread, so there is one OpenMP thread team. A second team (model loaded on the
@@ -69,12 +97,22 @@ class AsyncEngine:
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
         self.max_waiting_requests = max_waiting_requests
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self.max_waiting_tokens = max_waiting_tokens
+        self._inbox: queue.SimpleQueue[_Add | _Abort | BaseException | None] = queue.SimpleQueue()
+        # A fault reported from another thread (a tensor-parallel worker died) ends the loop, even an idle one.
+        self.core.on_fatal_error = self._inbox.put
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._stop = threading.Event()
+        self._closed = False
+        self._timers: list[_Timer] = []  # the loop thread's deadlines, soonest first
+        self._timer_seq = itertools.count()
         self.error: BaseException | None = None
         self.last_step_time = time.monotonic()
-        self.num_unfinished = 0  # children added and not yet finished, as seen by asyncio
+        # As seen by asyncio (only the event loop writes them):
+        self.num_unfinished = 0
+        """Samples added and not yet finished."""
+        self.num_waiting_tokens = 0
+        """Prompt tokens of requests that have produced no output yet (queued or in prefill)."""
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -82,11 +120,20 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._loop_ready.set()
 
+    def abort_all(self) -> None:
+        """Refuse new requests and abort every unfinished one (the end of a graceful
+        shutdown): each stream ends with a last output whose finish_reason is "abort"."""
+        self._closed = True
+        for child in list(self._streams):
+            self._inbox.put(_Abort(child))
+
     def shutdown(self) -> None:
         self._stop.set()
         self._inbox.put(None)
         self._loop_ready.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # else the worker processes end with this one
+            self.core.shutdown()
 
     @property
     def is_alive(self) -> bool:
@@ -102,34 +149,69 @@ class AsyncEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         return self.core.validate(prompt_token_ids, params)
 
+    def check_capacity(
+        self, num_samples: int, num_prompt_tokens: int, reserved_samples: int = 0, reserved_tokens: int = 0
+    ) -> None:
+        """QueueFullError unless `num_samples` more samples and `num_prompt_tokens` more
+        unprefilled prompt tokens fit, besides those `reserved_*` on their way in (the
+        server's admissions). An empty token queue takes any prompt, so a prompt longer
+        than the token bound waits for a quiet moment instead of failing forever."""
+        if num_samples and self.num_unfinished + reserved_samples + num_samples > self.max_waiting_requests:
+            raise QueueFullError(f"the server is at its limit of {self.max_waiting_requests} queued requests")
+        limit = self.max_waiting_tokens
+        queued = self.num_waiting_tokens + reserved_tokens
+        if limit is not None and num_prompt_tokens and queued and queued + num_prompt_tokens > limit:
+            raise QueueFullError(
+                f"the server is at its limit of {limit} queued prompt tokens "
+                f"({queued} queued, {num_prompt_tokens} more asked)"
+            )
+
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        deadline: float | None = None,
+        max_queue_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step in which any of the n samples advanced.
 
         Each yielded output carries the advanced samples only (`outputs[i].index` says
         which), with cumulative text/tokens and the step's `delta_text`. Leaving the
         iterator early (client gone) aborts every sample and frees its blocks.
+
+        `deadline` (a `time.monotonic()` value): past it the request is aborted and the
+        iterator raises RequestTimeoutError. `max_queue_time` (seconds from now): if the
+        request is not scheduled by then, it is aborted and QueueTimeoutError is raised.
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
+        if self._closed:
+            raise EngineDeadError("the engine is shutting down")
         self.validate(prompt_token_ids, params)
-        if self.num_unfinished + params.n > self.max_waiting_requests:
-            raise QueueFullError(f"the server is at its limit of {self.max_waiting_requests} queued requests")
+        self.check_capacity(params.n, len(prompt_token_ids))
         children = [f"{request_id}-{j}" for j in range(params.n)]
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         for child in children:
             if child in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+        queue_deadline = None if max_queue_time is None else time.monotonic() + max_queue_time
         for j, child in enumerate(children):
             self._streams[child] = stream
             self.num_unfinished += 1
             fork_of = children[0] if j else None
-            self._inbox.put(_Add(child, list(prompt_token_ids), child_params(params, j), cache_salt, fork_of))
+            params_j = child_params(params, j)
+            self._inbox.put(_Add(child, list(prompt_token_ids), params_j, cache_salt, fork_of, deadline, queue_deadline))
         pending = set(children)
+        # The prompt counts as waiting until the first output, which means it was prefilled.
+        num_waiting_tokens = len(prompt_token_ids)
+        self.num_waiting_tokens += num_waiting_tokens
         try:
             while pending:
                 item = await stream.get()
+                self.num_waiting_tokens -= num_waiting_tokens
+                num_waiting_tokens = 0
                 if isinstance(item, BaseException):
                     raise item
                 batch = [item]
@@ -152,6 +234,7 @@ class AsyncEngine:
                 merged.finished = not pending
                 yield merged
         finally:
+            self.num_waiting_tokens -= num_waiting_tokens
             for child in pending:
                 self._forget(child)
                 self._inbox.put(_Abort(child))
@@ -192,6 +275,8 @@ class AsyncEngine:
                     block = False
                     if item is None:
                         return
+                    if isinstance(item, BaseException):
+                        raise item
                     if isinstance(item, _Add):
                         try:
                             core.add_request(
@@ -199,9 +284,14 @@ class AsyncEngine:
                             )
                         except ValueError as e:  # validated before; a race is still an error, not a crash
                             self._deliver_error(item.request_id, e)
-                    else:
-                        core.abort_request(item.request_id)
+                        else:
+                            self._add_timers(item)
+                    elif (aborted := core.abort_request(item.request_id)) is not None:
+                        # Its stream is gone when the client left; at shutdown it gets this last output.
+                        self._loop.call_soon_threadsafe(self._deliver, [aborted])
                 self.last_step_time = time.monotonic()
+                if self._timers:
+                    self._expire(core)
                 if core.has_unfinished_requests():
                     try:
                         outputs = core.step()
@@ -216,6 +306,34 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - any fault ends the loop and fails every request
             self.error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _add_timers(self, item: _Add) -> None:
+        # Only sample 0 has a queue deadline: the others wait for its prompt on purpose.
+        if item.queue_deadline is not None and item.fork_of is None:
+            heapq.heappush(self._timers, _Timer(item.queue_deadline, next(self._timer_seq), item.request_id, True))
+        if item.deadline is not None:
+            heapq.heappush(self._timers, _Timer(item.deadline, next(self._timer_seq), item.request_id, False))
+
+    def _expire(self, core: EngineCore) -> None:
+        """Abort the requests whose deadline passed; their streams get the timeout error."""
+        if not core.has_unfinished_requests():
+            self._timers.clear()  # every timer left belongs to a finished request
+            return
+        now = time.monotonic()
+        while self._timers and self._timers[0].when <= now:
+            timer = heapq.heappop(self._timers)
+            request = core.requests.get(timer.request_id)
+            if request is None or (timer.until_scheduled and request.first_scheduled_time is not None):
+                continue
+            core.abort_request(timer.request_id)
+            if timer.until_scheduled:
+                waited = now - request.arrival_time
+                error: RuntimeError = QueueTimeoutError(
+                    f"the request waited {waited:.1f} s in the queue without being scheduled; the server is overloaded"
+                )
+            else:
+                error = RequestTimeoutError("the request did not finish before its deadline and was aborted")
+            self._deliver_error(timer.request_id, error)
 
     # ---- on the asyncio loop ----------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -26,6 +26,7 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(slots=True)
@@ -37,13 +38,23 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest sequence (prompt + output) served; default: the model's max_position_embeddings."""
     quantization: str | None = None
-    """Load-time RTN weight-only quantization of the decoder linears: int8 (per-channel) or int4 (group 128); None = float."""
+    """Load-time RTN quantization of the decoder linears: int8 / int4 weight-only (per-channel / group 128), or w8a8 (int8 weights and per-token int8 activations); None = float."""
     seed: int = 0
     """Seed of the global sampling generator (requests without their own seed)."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu or cuda."""
+    load_format: str = "auto"
+    """auto: the folder's *.safetensors; dummy: random weights from config.json alone (benchmarks of a model's shape, as vLLM's --load-format dummy)."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs for decode steps (on CPU every step is eager anyway)."""
+    max_cuda_graph_batch_size: int | None = None
+    """Largest decode batch replayed from a CUDA graph (default: min(max_num_seqs, 256)); larger decode batches run eagerly."""
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.max_cuda_graph_batch_size is not None and self.max_cuda_graph_batch_size < 1:
+            raise ValueError(f"max_cuda_graph_batch_size must be >= 1, got {self.max_cuda_graph_batch_size}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -71,7 +82,9 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV-cache block (a power of two, 1..128)."""
     kv_cache_memory: float | None = None
-    """KV-cache budget in GiB; default 2 GiB on CPU, 90% of free memory after profiling on CUDA."""
+    """KV-cache budget in GiB; default 2 GiB on CPU, on CUDA what --gpu-memory-utilization leaves after a profiling forward pass."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the engine may use (weights, activations, KV cache); the KV cache gets what a profiling forward pass at max_num_batched_tokens leaves. CUDA only; --kv-cache-memory overrides."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of earlier requests' identical prompt prefixes (--no-prefix-caching turns it off)."""
     num_gpu_blocks_override: int | None = None
@@ -82,6 +95,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
 
@@ -115,11 +130,22 @@ class KernelConfig:
 
 
 @dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks (one process each; one GPU each on CUDA) that split every layer's weights, attention heads and KV cache; 1 = none."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> "EngineConfig":
@@ -140,4 +166,5 @@ class EngineConfig:
             cache=CacheConfig(**sections["cache"]),
             scheduler=SchedulerConfig(**sections["scheduler"]),
             kernel=KernelConfig(**sections["kernel"]),
+            parallel=ParallelConfig(**sections["parallel"]),
         )

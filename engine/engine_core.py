@@ -14,10 +14,13 @@ from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cuda_graphs import build_decode_graph_runner
 from engine.default_model import resolve_model_path
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed.executor import TensorParallelError, TensorParallelExecutor
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_bytes
 from engine.loader import load_model
+from engine.memory import profile_kv_cache_budget, take_snapshot
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
@@ -73,27 +76,57 @@ class EngineCore:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{args.max_position_embeddings}"
             )
-        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len, mc.quantization)
+        cc, sc = config.cache, config.scheduler
+        # On one GPU without a fixed budget the KV cache is sized by profiling (engine/memory.py):
+        # note the device's memory before anything is loaded.
+        profiles_memory = (
+            self.device.type == "cuda" and cc.kv_cache_memory is None and cc.num_gpu_blocks_override is None
+            and config.parallel.tensor_parallel_size == 1
+        )
+        snapshot = take_snapshot(self.device) if profiles_memory else None
+        # Tensor parallelism: the worker ranks start here; rank 0 (this process) gets its shard.
+        self.executor: TensorParallelExecutor | None = None
+        if config.parallel.tensor_parallel_size > 1:
+            self.executor = TensorParallelExecutor(config, args, self.model_path, self.max_model_len)
+            self.executor.on_failure = self._fatal_error
+            self.model = self.executor.model
+        else:
+            self.model = load_model(
+                self.model_path, self.dtype, self.device, self.max_model_len, mc.quantization, mc.load_format
+            )
         eos_ids = _eos_token_ids(self.model_path, self.tokenizer)
         self.eos_token_id = eos_ids[0] if eos_ids else None
         # Llama-3-style configs list several end tokens; the rest stop like stop_token_ids.
         self.extra_eos_token_ids = eos_ids[1:]
 
-        cc = config.cache
         spec = KVCacheSpec.from_model(args, self.dtype, cc.block_size)
+        if self.executor is not None:
+            spec = self.executor.kv_cache_spec(spec)  # this rank's KV heads only
+        self.ops = get_ops(config.kernel.kernel_backend, self.device)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
+        elif snapshot is not None:
+            budget = profile_kv_cache_budget(
+                self.model, spec, self.ops, self.device, snapshot, sc.max_num_batched_tokens, sc.max_num_seqs,
+                cc.gpu_memory_utilization, log,
+            )
+            num_blocks = spec.num_blocks_for_budget(budget)
         else:
             num_blocks = spec.num_blocks_for_budget(kv_cache_budget_bytes(cc.kv_cache_memory, self.device))
+        if self.executor is not None:
+            num_blocks = self.executor.agree_num_blocks(num_blocks)
         if num_blocks < 1:
             raise ValueError(f"the KV-cache budget holds no block of {spec.bytes_per_block} bytes; raise --kv-cache-memory")
         self.kv_spec = spec
         self.num_blocks = num_blocks
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        kv_caches = allocate_kv_cache(spec, num_blocks, self.device)
-        self.ops = get_ops(config.kernel.kernel_backend, self.device)
+        # One block more than the block manager hands out: the pad block, where the padding
+        # rows of a decode batch replayed from a CUDA graph write (engine/cuda_graphs.py).
+        kv_caches = allocate_kv_cache(spec, num_blocks + 1, self.device)
         self.runner = ModelRunner(self.model, kv_caches, self.block_manager, self.ops, self.device)
+        if self.executor is not None:
+            self.runner.forward_step = self.executor.run_step
         self.sampler = Sampler(mc.seed)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -101,6 +134,9 @@ class EngineCore:
         # Called after every step (and abort) with that step's StepStats; the server's
         # metrics hook. None skips building them.
         self.on_step: Callable[[StepStats], None] | None = None
+        # Called from another thread when the engine can no longer step, even while idle
+        # (a tensor-parallel worker died); the engine loop's owner ends the loop.
+        self.on_fatal_error: Callable[[BaseException], None] | None = None
         self._reported_queries = self._reported_hits = 0
         # Fault injection for tests: the N-th step (1-based) raises inside the forward pass.
         fault = os.environ.get("PAGODA_FAULT_AT_STEP")
@@ -113,6 +149,11 @@ class EngineCore:
                 f"= {num_blocks * cc.block_size} tokens max ({num_blocks * spec.bytes_per_block / 2**30:.2f} GiB)",
                 file=sys.stderr,
                 flush=True,
+            )
+        if self.device.type == "cuda" and not mc.enforce_eager:
+            self.runner.decode_graphs = build_decode_graph_runner(
+                self.model, kv_caches, self.block_manager, self.ops, self.device, sc.max_num_seqs, self.max_model_len,
+                mc.max_cuda_graph_batch_size, config.parallel.tensor_parallel_size, log,
             )
 
     # ---- requests ------------------------------------------------------------------------
@@ -190,6 +231,15 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (a no-op otherwise)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def _fatal_error(self, error: BaseException) -> None:
+        if self.on_fatal_error is not None:
+            self.on_fatal_error(error)
+
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -213,6 +263,8 @@ class EngineCore:
                     logits = logits[: len(sampling)]
                 sampled = self.sampler(logits, sampling) if sampling else None
             outputs = self._update(sched, sampling, sampled, stats)
+        except TensorParallelError:
+            raise  # the ranks are out of step: no later step can run
         except Exception as e:
             self.stats.num_steps += 1
             raise self._fail_step(sched, e) from e

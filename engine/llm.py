@@ -27,6 +27,11 @@ class LLM:
         self.tokenizer = self.engine_core.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (with tensor_parallel_size > 1); the
+        LLM cannot generate afterwards. They also end when this process exits."""
+        self.engine_core.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

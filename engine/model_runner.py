@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
 
 from engine.attention import AttentionMetadata
@@ -10,6 +12,9 @@ from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from kernels.ops import KernelOps
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import DecodeGraphRunner
 
 
 class ModelRunner:
@@ -28,6 +33,10 @@ class ModelRunner:
         self.device = device
         self.block_size = block_manager.block_size
         self.prompt_rows: list[tuple[Request, int]] = []  # of the last prepared step
+        # Tensor parallelism swaps in a forward that first hands the step to the other ranks.
+        self.forward_step: Callable[..., torch.Tensor | None] = run_forward
+        # Pure decode steps replayed from CUDA graphs (set by EngineCore on CUDA); None = eager.
+        self.decode_graphs: DecodeGraphRunner | None = None
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.block_size
@@ -84,9 +93,27 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns logits [num_sampling_requests, vocab] in `scheduled` order,
         followed by one row per entry of `self.prompt_rows` (prompt logprobs)."""
+        copies = None
         if sched.blocks_to_copy:
-            mapping = torch.tensor(sched.blocks_to_copy, dtype=torch.int64, device=self.device)
-            self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+            copies = torch.tensor(sched.blocks_to_copy, dtype=torch.int64, device=self.device)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(sched):
+            self.prompt_rows = []  # a decode computes no prompt position
+            return self.decode_graphs.execute(sched, copies)
         input_ids, positions, meta = self.prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.ops)
-        return self.model.compute_logits(hidden)
+        return self.forward_step(self.model, self.kv_caches, self.ops, input_ids, positions, meta, copies)
+
+
+def run_forward(
+    model: LlamaForCausalLM,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ops: KernelOps,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    blocks_to_copy: torch.Tensor | None,  # [num_copies, 2] (src, dst), copied first (copy-on-write)
+) -> torch.Tensor | None:
+    """One prepared step's forward: what every tensor-parallel rank runs (None on ranks > 0)."""
+    if blocks_to_copy is not None:
+        ops.copy_blocks([k for k, _ in kv_caches], [v for _, v in kv_caches], blocks_to_copy)
+    hidden = model(input_ids, positions, kv_caches, meta, ops)
+    return model.compute_logits(hidden)

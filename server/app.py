@@ -22,8 +22,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
 from server.config import ServerConfig
-from server.errors import AuthenticationError, InvalidRequestError, error_envelope, install_exception_handlers
+from server.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    error_envelope,
+    install_exception_handlers,
+    retry_after,
+)
 from server.metrics import Metrics
+from server.openapi import install_openapi
 from server.protocol import DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse
 from server.serving import OpenAIServing, json_response, read_request
 from server.serving_chat import ChatServing, render_chat
@@ -104,6 +111,9 @@ def model_card(serving: OpenAIServing) -> ModelCard:
 
 def health(serving: OpenAIServing) -> Response:
     engine = serving.engine
+    if serving.draining:
+        envelope = error_envelope("the server is shutting down", "server_error", None, "server_draining")
+        return JSONResponse(envelope, status_code=503, headers=retry_after())
     if not engine.is_alive:
         serving.log_engine_death()
         reason = "the engine loop is not running"
@@ -144,6 +154,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, metrics: 
     app = FastAPI(title="Pagoda", version=pagoda_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving = serving
     install_exception_handlers(app)
+    install_openapi(app)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
 

@@ -1,4 +1,5 @@
-"""`pagoda` command line: `pagoda serve [flags]`, `pagoda generate PROMPT [flags]`.
+"""`pagoda` command line: `pagoda serve [flags]`, `pagoda generate PROMPT [flags]`,
+`pagoda quantize --method ... --bits ... --out DIR` (engine/quantization/quantize.py).
 
 `serve` loads the model once, then runs uvicorn with the FastAPI app (server/app.py),
 whose lifespan starts the engine loop and shuts it down on exit. `--config FILE` reads
@@ -19,6 +20,7 @@ _CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 _ENGINE_KEYS = (
     "dtype", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
     "max_num_batched_tokens", "quantization", "kernel_backend", "seed", "enable_prefix_caching",
+    "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "max_cuda_graph_batch_size", "load_format",
 )
 
 
@@ -33,6 +35,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-cuda-graph-batch-size", type=int, default=None)
+    parser.add_argument("--load-format", default=None, choices=["auto", "dummy"])
     # In a --config file: `enable-prefix-caching: false`.
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of earlier requests' identical prompt prefixes")
@@ -54,6 +61,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes, help="largest request body (413 above)")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="unfinished samples the engine accepts before answering 503 + Retry-After")
+    parser.add_argument("--max-waiting-tokens", type=int, default=None,
+                        help="prompt tokens not yet prefilled (of requests without their first token) beyond which "
+                             "new requests get 503 + Retry-After; an empty queue still takes one longer prompt")
+    parser.add_argument("--max-queue-time", type=float, default=defaults.max_queue_time_s)
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s)
+    parser.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s)
     parser.add_argument("--max-n", type=int, default=defaults.max_n, help="largest n (samples per prompt)")
     parser.add_argument("--health-stall-timeout", type=float, default=defaults.health_stall_timeout_s,
                         help="seconds without engine progress (with work pending) before /health answers 503")
@@ -77,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+
+    quant = sub.add_parser("quantize", help="write a quantized copy of a model folder (AutoAWQ / AutoGPTQ / Pagoda INT8 layouts)")
+    quant.add_argument("--model", default=None, help="float Hugging Face folder (default: the bundled model)")
+    quant.add_argument("--method", required=True, choices=["rtn", "awq", "gptq", "w8a8"])
+    quant.add_argument("--bits", type=int, required=True, choices=[4, 8], help="4: rtn, awq, gptq; 8: rtn, w8a8")
+    quant.add_argument("--group-size", type=int, default=128,
+                       help="INT4 group size (if it does not divide every layer's input features: the largest of 64, 32 that does)")
+    quant.add_argument("--out", required=True, help="output folder (config.json, model.safetensors, tokenizer files)")
+    quant.add_argument("--calib-samples", type=int, default=64, help="calibration sequences of the built-in text (awq, gptq, w8a8)")
+    quant.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
+    quant.add_argument("--act-order", action="store_true", help="gptq: quantize columns by decreasing Hessian diagonal (desc_act)")
     return parser
 
 
@@ -135,6 +159,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from engine.default_model import resolve_model_path
     from server.app import ServerConfig, build_app
     from server.metrics import Metrics
+    from server.shutdown import FLUSH_TIMEOUT_S, DrainingServer
 
     try:
         server_config = ServerConfig(
@@ -144,9 +169,14 @@ def run_serve(ns: argparse.Namespace) -> int:
             max_n=ns.max_n,
             health_stall_timeout_s=ns.health_stall_timeout,
             tokenizer_threads=ns.tokenizer_threads,
+            max_queue_time_s=ns.max_queue_time,
+            request_timeout_s=ns.request_timeout,
+            shutdown_timeout_s=ns.shutdown_timeout,
         )
         if ns.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {ns.max_waiting_requests}")
+        if ns.max_waiting_tokens is not None and ns.max_waiting_tokens < 1:
+            raise ValueError(f"max_waiting_tokens must be >= 1, got {ns.max_waiting_tokens}")
         config = EngineConfig.from_engine_args(model=ns.model, **engine_args_from(ns))
         model_name = ns.served_model_name or resolve_model_path(config.model.model).name
         metrics = Metrics(
@@ -154,7 +184,10 @@ def run_serve(ns: argparse.Namespace) -> int:
             max_model_len=config.model.max_model_len,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         )
-        engine = AsyncEngine(config, max_waiting_requests=ns.max_waiting_requests, on_step=metrics.on_step)
+        engine = AsyncEngine(
+            config, max_waiting_requests=ns.max_waiting_requests, on_step=metrics.on_step,
+            max_waiting_tokens=ns.max_waiting_tokens,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"pagoda: error: {e}", file=sys.stderr)
         return 2
@@ -164,10 +197,15 @@ def run_serve(ns: argparse.Namespace) -> int:
     print(f"[pagoda] serving {model_name!r} on http://{ns.host}:{ns.port} ({auth})", file=sys.stderr, flush=True)
     # loop/http "auto": uvloop and httptools when installed (they are dependencies, except
     # uvloop on Windows), else asyncio and h11.
-    uvicorn.run(
+    uvicorn_config = uvicorn.Config(
         app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=not ns.no_access_log,
-        timeout_graceful_shutdown=5, loop="auto", http="auto",
+        timeout_graceful_shutdown=FLUSH_TIMEOUT_S, loop="auto", http="auto",
     )
+    # SIGTERM drains (server/shutdown.py) and the process then exits 0.
+    DrainingServer(uvicorn_config, app.state.serving).run()
+    if engine.error is not None:
+        print(f"[pagoda] exiting with status 1: the engine loop died ({engine.error})", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -186,7 +224,10 @@ def run_generate(ns: argparse.Namespace, prompts: list[str], chat: bool, max_tok
             for p in prompts
         ]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens))
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens))
+    finally:
+        llm.shutdown()  # tensor-parallel workers (under torchrun too) exit cleanly
     elapsed = time.perf_counter() - t0
     num_tokens = 0
     for prompt, out in zip(prompts, outs):
@@ -197,6 +238,40 @@ def run_generate(ns: argparse.Namespace, prompts: list[str], chat: bool, max_tok
     return 0
 
 
+# ---- quantize --------------------------------------------------------------------------------------
+def run_quantize(ns: argparse.Namespace) -> int:
+    from engine.default_model import resolve_model_path
+    from engine.quantization.quantize import quantize_checkpoint
+
+    try:
+        config = quantize_checkpoint(
+            resolve_model_path(ns.model), Path(ns.out), ns.method, ns.bits, ns.group_size,
+            ns.calib_samples, ns.calib_seq_len, ns.act_order,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pagoda: error: {e}", file=sys.stderr)
+        return 2
+    print(f"[pagoda] wrote {ns.out}: quantization_config {config}")
+    return 0
+
+
+# ---- torchrun ranks > 0 ----------------------------------------------------------------------------
+def run_worker_rank(ns: argparse.Namespace) -> int:
+    """Under torchrun every rank runs the same command; all but rank 0 become its
+    tensor-parallel workers (the process exits non-zero on an error)."""
+    from engine.config import EngineConfig
+    from engine.distributed.parallel_state import torchrun_rendezvous
+    from engine.distributed.worker import worker_main
+
+    try:
+        config = EngineConfig.from_engine_args(model=ns.model, **engine_args_from(ns))
+    except ValueError as e:
+        print(f"pagoda: error: {e}", file=sys.stderr)
+        return 2
+    worker_main(config, torchrun_rendezvous())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -204,8 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"pagoda: error: {e}", file=sys.stderr)
         return 2
+    if int(os.environ.get("RANK", "0")) > 0:
+        return run_worker_rank(ns)
     if ns.command == "generate":
         return run_generate(ns, ns.prompts, ns.chat, ns.max_tokens, ns.temperature)
+    if ns.command == "quantize":
+        return run_quantize(ns)
     return run_serve(ns)
 
 

@@ -19,6 +19,15 @@ class ServerConfig:
     """/health answers 503 when work is pending and no step finished for this long."""
     tokenizer_threads: int = 2
     """Worker threads (each with its own tokenizer copy) for tokenization and chat templates."""
+    max_queue_time_s: float | None = None
+    """Seconds a request may wait before it is first scheduled; then it ends with 503
+    `queue_timeout` + Retry-After (an error event in a stream; none: no limit)."""
+    request_timeout_s: float | None = None
+    """Seconds a request may take from arrival to its last token; then it is aborted with 504
+    `request_timeout` (an error event in a stream; none: no limit)."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM: seconds in-flight requests get to finish (new ones get 503) before the rest
+    end with finish_reason "abort"."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -29,3 +38,9 @@ class ServerConfig:
             raise ValueError(f"health_stall_timeout_s must be > 0, got {self.health_stall_timeout_s}")
         if self.tokenizer_threads < 1:
             raise ValueError(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
+        for name in ("max_queue_time_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (or none), got {value}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")

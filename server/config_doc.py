@@ -32,7 +32,12 @@ METRICS_BEGIN = "<!-- metrics-table:begin (generated: python -m server.config_do
 METRICS_END = "<!-- metrics-table:end -->"
 
 # Flags whose config field has another name than the flag's dest.
-_FIELD_OF_FLAG = {"health_stall_timeout": "health_stall_timeout_s"}
+_FIELD_OF_FLAG = {
+    "health_stall_timeout": "health_stall_timeout_s",
+    "max_queue_time": "max_queue_time_s",
+    "request_timeout": "request_timeout_s",
+    "shutdown_timeout": "shutdown_timeout_s",
+}
 # The default shown for flags whose argparse default depends on the environment.
 _ENV_DEFAULTS = {"api_key": "`$PAGODA_API_KEY`, else none"}
 # Docs of the flags that have neither a config field nor argparse help in server/cli.py

@@ -17,13 +17,17 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from engine.async_engine import EngineDeadError, QueueFullError
+from engine.async_engine import EngineDeadError, QueueFullError, QueueTimeoutError, RequestTimeoutError
 from engine.engine_core import ContextLengthExceeded, StepFailedError
 
 logger = logging.getLogger("pagoda.server")
 
-# Seconds a client should wait before retrying after a 503 (queue full).
+# Seconds a client should wait before retrying after a 503 (queue full, queue timeout, draining).
 RETRY_AFTER_S = 1
+
+
+def retry_after() -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S)}
 
 
 class APIError(Exception):
@@ -88,6 +92,14 @@ class ServiceUnavailableError(APIError):
     code = "service_unavailable"
 
 
+class RequestTimeoutAPIError(APIError):
+    """504: the request ran past --request-timeout and was aborted."""
+
+    status_code = 504
+    error_type = "server_error"
+    code = "request_timeout"
+
+
 class ClientDisconnectedError(APIError):
     """The client left before the response (nobody reads it; the status is for the log)."""
 
@@ -110,7 +122,11 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
-        return ServiceUnavailableError(str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return ServiceUnavailableError(str(exc), code="queue_full", headers=retry_after())
+    if isinstance(exc, QueueTimeoutError):
+        return ServiceUnavailableError(str(exc), code="queue_timeout", headers=retry_after())
+    if isinstance(exc, RequestTimeoutError):
+        return RequestTimeoutAPIError(str(exc))
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(str(exc), code="engine_dead")
     if isinstance(exc, ContextLengthExceeded):
@@ -213,6 +229,8 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(QueueFullError, on_api_error)
+    app.add_exception_handler(QueueTimeoutError, on_api_error)
+    app.add_exception_handler(RequestTimeoutError, on_api_error)
     app.add_exception_handler(EngineDeadError, on_api_error)
     app.add_exception_handler(ContextLengthExceeded, on_api_error)
     app.add_exception_handler(StepFailedError, on_api_error)

@@ -218,6 +218,12 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(_Request):
+    # Published in /openapi.json: exactly one of the two inputs (checked by _one_input).
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ]})
+
     model: str | None = None
     prompt: str | None = None
     messages: Messages | None = None

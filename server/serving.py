@@ -1,9 +1,13 @@
 """What completions and chat share between the HTTP request and the engine streams.
 
 Reading the body (size-capped) and validating it, tokenizing in worker threads, turning a
-request into `SamplingParams`, admission against the engine's queue limit, merging the
+request into `SamplingParams`, admission against the engine's queue limits, merging the
 engine streams of several prompts, usage, and the JSON / SSE responses. The endpoint
 logic lives in `serving_completion.py` and `serving_chat.py`.
+
+Admission runs in two steps, each before the next expensive one: queue places for the
+request's samples before tokenizing (so a full queue costs no tokenizer time), then its
+prompt tokens right after tokenizing, before anything reaches the engine.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from engine.async_engine import AsyncEngine, QueueFullError
+from engine.async_engine import AsyncEngine
 from engine.engine_core import ContextLengthExceeded
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -36,6 +40,7 @@ from server.errors import (
     ModelNotFoundError,
     RequestTooLargeError,
     ServiceUnavailableError,
+    retry_after,
     sse_error_event,
     validation_error,
 )
@@ -144,8 +149,9 @@ async def read_request(request: Request, model: type[_M], max_bytes: int) -> _M:
 
 # ---- engine streams ----------------------------------------------------------------------------
 class Admission:
-    """Queue places a request holds between the server's capacity check and the moment
-    its engine streams start (only then does the engine count them).
+    """Queue places (samples) and prompt tokens a request holds between the server's
+    capacity checks and the moment its engine streams start (only then does the engine
+    count them).
 
     Without it, requests checked in the same moment could all pass and the later ones
     fail inside their already-started streams; with it, every refusal is a plain 503.
@@ -154,21 +160,31 @@ class Admission:
     def __init__(self, serving: "OpenAIServing", num_places: int) -> None:
         self.serving = serving
         self.num_places = num_places
+        self.num_tokens = 0
         serving.num_reserved += num_places
 
-    def release(self, num_places: int) -> None:
+    def add_tokens(self, num_tokens: int) -> None:
+        self.num_tokens += num_tokens
+        self.serving.num_reserved_tokens += num_tokens
+
+    def release(self, num_places: int, num_tokens: int) -> None:
         num_places = min(num_places, self.num_places)
+        num_tokens = min(num_tokens, self.num_tokens)
         self.num_places -= num_places
+        self.num_tokens -= num_tokens
         self.serving.num_reserved -= num_places
+        self.serving.num_reserved_tokens -= num_tokens
 
     def release_all(self) -> None:
-        self.release(self.num_places)
+        self.release(self.num_places, self.num_tokens)
 
 
-async def _admitted(gen: AsyncIterator[RequestOutput], admission: Admission, n: int) -> AsyncIterator[RequestOutput]:
+async def _admitted(
+    gen: AsyncIterator[RequestOutput], admission: Admission, n: int, num_tokens: int
+) -> AsyncIterator[RequestOutput]:
     # Hand the places to the engine in the same synchronous run as generate()'s own
     # capacity check (which happens at its first __anext__), so nothing runs in between.
-    admission.release(n)
+    admission.release(n, num_tokens)
     async with aclosing(gen):
         async for out in gen:
             yield out
@@ -238,6 +254,10 @@ class OpenAIServing:
         self.special_ids = frozenset(engine.tokenizer.all_special_ids)
         self.num_reserved = 0
         """Queue places admitted but not yet handed to the engine (see Admission)."""
+        self.num_reserved_tokens = 0
+        """Prompt tokens admitted but not yet handed to the engine."""
+        self.draining = False
+        """Set on SIGTERM (server/shutdown.py): new requests get 503, /health too."""
         self.engine_death_logged = False
         self.tokenizers = TokenizerPool(engine.tokenizer, config.tokenizer_threads)
 
@@ -253,15 +273,44 @@ class OpenAIServing:
             self.engine_death_logged = True
             logger.error("the engine loop died; every request now fails with 503", exc_info=self.engine.error)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Samples admitted and not finished: in the engine, or on their way to it."""
+        return self.engine.num_unfinished + self.num_reserved
+
     def admit(self, num_children: int) -> Admission:
-        """Refuse before a stream starts (so it is a 503, not an error event mid-stream)."""
+        """Queue places for a request's samples, taken before tokenizing; refused here (a
+        503) rather than inside a started stream (an error event)."""
         engine = self.engine
+        if self.draining:
+            raise ServiceUnavailableError("the server is shutting down", code="server_draining", headers=retry_after())
         if not engine.is_alive:
             self.log_engine_death()
             raise ServiceUnavailableError("the engine is not running", code="engine_dead")
-        if engine.num_unfinished + self.num_reserved + num_children > engine.max_waiting_requests:
-            raise QueueFullError(f"the server is at its limit of {engine.max_waiting_requests} queued requests")
+        if num_children > engine.max_waiting_requests:
+            # Could never fit: a 503 would have the client retry forever.
+            raise InvalidRequestError(
+                f"the request asks for {num_children} samples (prompts x n) but this server queues at most "
+                f"{engine.max_waiting_requests}",
+                param="n",
+            )
+        engine.check_capacity(num_children, 0, self.num_reserved)
         return Admission(self, num_children)
+
+    async def tokenize(
+        self, admission: Admission, fn: Callable[..., list[PromptInput]], *args: Any
+    ) -> list[PromptInput]:
+        """`fn(tokenizer, *args)` in a tokenizer thread, then the prompts' tokens join the
+        admission (503 when they do not fit); on any failure the admission is released."""
+        try:
+            prompts = await self.tokenizers.run(fn, *args)
+            num_tokens = sum(len(p.token_ids) for p in prompts)
+            self.engine.check_capacity(0, num_tokens, self.num_reserved, self.num_reserved_tokens)
+            admission.add_tokens(num_tokens)
+            return prompts
+        except BaseException:
+            admission.release_all()
+            raise
 
     def sampling_params(
         self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -360,21 +409,30 @@ class OpenAIServing:
             prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens for r in results)),
         )
 
+    def deadline(self, arrival: float) -> float | None:
+        """The `time.monotonic()` by which a request that arrived at `arrival` must end."""
+        timeout = self.config.request_timeout_s
+        return None if timeout is None else arrival + timeout
+
     def start_streams(
-        self, request_id: str, prompts: list[PromptInput], cache_salt: str | None
-    ) -> tuple[AsyncIterator[tuple[int, RequestOutput]], Admission]:
-        """The merged engine streams of all prompts (they start when first iterated) and
-        their admission, which the caller releases once done, in case they never started."""
-        admission = self.admit(sum(p.params.n for p in prompts))
+        self, request_id: str, prompts: list[PromptInput], cache_salt: str | None, admission: Admission, arrival: float
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The merged engine streams of all prompts; they start when first iterated, taking
+        their places from `admission` (which the caller releases once done, in case they
+        never started)."""
+        deadline = self.deadline(arrival)
         gens = [
             _admitted(
-                self.engine.generate(f"{request_id}-{i}", p.token_ids, p.params, cache_salt),
+                self.engine.generate(
+                    f"{request_id}-{i}", p.token_ids, p.params, cache_salt, deadline, self.config.max_queue_time_s
+                ),
                 admission,
                 p.params.n,
+                len(p.token_ids),
             )
             for i, p in enumerate(prompts)
         ]
-        return _merge(gens), admission
+        return _merge(gens)
 
     async def collect(
         self, stream: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, n: int

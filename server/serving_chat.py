@@ -56,15 +56,17 @@ class ChatServing:
         self.serving = serving
 
     async def create_chat_completion(self, request: Request) -> Response:
+        arrival = time.monotonic()
         serving = self.serving
         req = await read_request(request, ChatCompletionRequest, serving.config.max_body_bytes)
         serving.check_model(req.model)
         top_k = req.top_logprobs or 0
         params = serving.sampling_params(req, req.output_limit, top_k if req.logprobs else None)
-        prompt = await serving.tokenizers.run(self._tokenize, req, params)
+        admission = serving.admit(req.n)
+        [prompt] = await serving.tokenize(admission, self._tokenize, req, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream, admission = serving.start_streams(request_id, [prompt], req.cache_salt)
+        stream = serving.start_streams(request_id, [prompt], req.cache_salt, admission, arrival)
         if req.stream:
             events = self._stream(req, request_id, created, prompt, stream)
             return sse_response(serving.sse_events(events), admission)
@@ -91,7 +93,7 @@ class ChatServing:
         )
         return json_response(response)
 
-    def _tokenize(self, tokenizer: Any, req: ChatCompletionRequest, params: SamplingParams) -> PromptInput:
+    def _tokenize(self, tokenizer: Any, req: ChatCompletionRequest, params: SamplingParams) -> list[PromptInput]:
         serving = self.serving
         token_ids = render_chat(tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message)
         if not token_ids:
@@ -99,7 +101,7 @@ class ChatServing:
         if params.max_tokens is None:
             params = serving.fit_open_max_tokens(token_ids, params, "messages")
         serving.validate_prompt(token_ids, params, "messages")
-        return PromptInput(token_ids, None, params)
+        return [PromptInput(token_ids, None, params)]
 
     async def _stream(
         self, req: ChatCompletionRequest, request_id: str, created: int, prompt: PromptInput,

@@ -62,6 +62,7 @@ class CompletionServing:
         self.serving = serving
 
     async def create_completion(self, request: Request) -> Response:
+        arrival = time.monotonic()
         serving = self.serving
         req = await read_request(request, CompletionRequest, serving.config.max_body_bytes)
         serving.check_model(req.model)
@@ -69,10 +70,11 @@ class CompletionServing:
             raise InvalidRequestError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
         prompt_logprobs = req.logprobs if req.echo else None
         params = serving.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
-        prompts = await serving.tokenizers.run(self._tokenize, req.prompts, req.echo, params)
+        admission = serving.admit(len(req.prompts) * req.n)
+        prompts = await serving.tokenize(admission, self._tokenize, req.prompts, req.echo, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream, admission = serving.start_streams(request_id, prompts, req.cache_salt)
+        stream = serving.start_streams(request_id, prompts, req.cache_salt, admission, arrival)
         if req.stream:
             events = self._stream(req, request_id, created, prompts, stream)
             return sse_response(serving.sse_events(events), admission)
