@@ -125,23 +125,37 @@ def dequantize_tensor(qt: QuantizedTensor) -> torch.Tensor:
 # order along the input dimension, as AutoGPTQ writes it; AutoAWQ packs along N in the
 # interleaved order 0,2,4,6,1,3,5,7 instead, a permutation away).
 
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
+SEQUENTIAL_ORDER = tuple(range(8))
+
+
+def pack_nibbles(values: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """values [R, C] in [0, 15] -> int32 [R, C / 8]; nibble i of out[r, c] is values[r, 8 c + order[i]]."""
+    r, c = values.shape
+    if c % 8:
+        raise ValueError(f"{c} columns cannot be packed 8 per int32")
+    if values.min() < 0 or values.max() > 15:
+        raise ValueError("int4 values must lie in [0, 15]")
+    grouped = values.reshape(r, c // 8, 8).to(torch.int64)[:, :, list(order)]
+    packed = (grouped << _SHIFTS.to(grouped.device)).sum(-1)  # disjoint bits: the sum is the bitwise or
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_nibbles(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """The inverse of `pack_nibbles`: int32 [R, C / 8] -> int32 [R, C]."""
+    r, c8 = packed.shape
+    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF  # [R, C/8, 8], nibble i
+    out = torch.empty_like(nibbles)
+    out[:, :, list(order)] = nibbles
+    return out.reshape(r, c8 * 8).to(torch.int32)
+
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [N, K] in [0, 15] -> qweight int32 [K / 8, N]."""
-    n, k = q.shape
-    if k % 8:
-        raise ValueError(f"K={k} must be a multiple of 8 to pack 8 int4 per int32")
-    if q.min() < 0 or q.max() > 15:
-        raise ValueError("int4 values must lie in [0, 15]")
-    nibbles = q.t().reshape(k // 8, 8, n).to(torch.int64) << _SHIFTS.to(q.device, torch.int64).view(1, 8, 1)
-    packed = nibbles.sum(dim=1)  # disjoint bits: the sum is the bitwise or, < 2^32
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return pack_nibbles(q, SEQUENTIAL_ORDER).t().contiguous()
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """qweight int32 [K / 8, N] -> q int32 [N, K] in [0, 15]."""
-    k8, n = qweight.shape
-    nibbles = (qweight.unsqueeze(1) >> _SHIFTS.to(qweight.device).view(1, 8, 1)) & 0xF  # [K/8, 8, N]
-    return nibbles.reshape(k8 * 8, n).t().contiguous()
+    return unpack_nibbles(qweight.t().contiguous(), SEQUENTIAL_ORDER)

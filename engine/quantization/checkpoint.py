@@ -44,13 +44,18 @@ from typing import Any
 
 import torch
 
-from engine.quantization.affine import QuantizedTensor, pack_int4, unpack_int4
+from engine.quantization.affine import (
+    SEQUENTIAL_ORDER,
+    QuantizedTensor,
+    pack_int4,
+    pack_nibbles,
+    unpack_int4,
+    unpack_nibbles,
+)
 from engine.quantization.weights import QuantizedLinear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-SEQUENTIAL_ORDER = tuple(range(8))
 PAGODA_FORMATS = ("int8", "w8a8")
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,28 +117,6 @@ def quantization_config(layout: str, bits: int, group_size: int | None, sym: boo
     if layout in PAGODA_FORMATS:
         return {"quant_method": "pagoda", "format": layout, "bits": 8}
     raise ValueError(f"unknown layout {layout!r}")
-
-
-# ---- nibble packing along the last dimension ------------------------------------------------------
-def pack_nibbles(values: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
-    """values [R, C] in [0, 15] -> int32 [R, C / 8]; nibble i of out[r, c] is values[r, 8 c + order[i]]."""
-    r, c = values.shape
-    if c % 8:
-        raise ValueError(f"{c} columns cannot be packed 8 per int32")
-    if values.min() < 0 or values.max() > 15:
-        raise ValueError("int4 values must lie in [0, 15]")
-    grouped = values.reshape(r, c // 8, 8).to(torch.int64)[:, :, list(order)]
-    packed = (grouped << _SHIFTS.to(grouped.device)).sum(-1)  # disjoint bits: the sum is the bitwise or
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-def unpack_nibbles(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
-    """The inverse of `pack_nibbles`: int32 [R, C / 8] -> int32 [R, C]."""
-    r, c8 = packed.shape
-    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF  # [R, C/8, 8], nibble i
-    out = torch.empty_like(nibbles)
-    out[:, :, list(order)] = nibbles
-    return out.reshape(r, c8 * 8).to(torch.int32)
 
 
 # ---- one module <-> QuantizedLinear ----------------------------------------------------------------

@@ -25,8 +25,6 @@ import os
 import pwd
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,8 +38,8 @@ import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from processes import REPO_ROOT, Process, free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NGINX_CONF = REPO_ROOT / "configs" / "nginx" / "pagoda.conf"
 K8S_YAML = REPO_ROOT / "configs" / "k8s" / "pagoda.yaml"
 NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
@@ -57,63 +55,6 @@ SHIPPED_LISTEN = "listen 8000;"
 STARTUP_TIMEOUT_S = 180.0
 MAX_TOKENS = 8
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Process:
-    """A subprocess in its own session whose output goes to a file (read on failure)."""
-
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.args = args
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        # the key comes from the flags only, never from the environment of whoever runs the tests
-        env = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"} | (env or {})
-        self.proc = subprocess.Popen(
-            args, cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-
-    def tail(self, num_chars: int = 4000) -> str:
-        self.log.flush()
-        return f"--- {self.name} ---\n" + self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def wait_ready(self, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        last = "no answer yet"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}", pytrace=False)
-            try:
-                r = httpx.get(url, timeout=2.0)
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                last = repr(e)
-            time.sleep(0.25)
-        pytest.fail(f"{url} not ready within {timeout_s:.0f} s (last: {last}):\n{self.tail()}", pytrace=False)
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would: no drain, open connections reset by the kernel."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.log.close()
 
 
 class Replica(Process):

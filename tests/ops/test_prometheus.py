@@ -10,20 +10,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from processes import REPO_ROOT, Process, free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_YML = REPO_ROOT / "configs" / "prometheus.yml"
 DASHBOARD = REPO_ROOT / "configs" / "grafana-dashboard.json"
 PROMETHEUS = shutil.which("prometheus") or ("/usr/bin/prometheus" if os.access("/usr/bin/prometheus", os.X_OK) else None)
@@ -34,55 +31,6 @@ NOT_INSTALLED = (
 )
 PAGODA_STARTUP_S = 180.0
 SCRAPE_WAIT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Process:
-    """A subprocess whose output goes to a file (read on failure), stopped by its own pid."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
-        self.args = args
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            args, cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-
-    def tail(self, num_chars: int = 4000) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def wait_ready(self, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        last = "no answer yet"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"`{' '.join(self.args)}` exited with {self.proc.returncode}:\n{self.tail()}", pytrace=False)
-            try:
-                r = httpx.get(url, timeout=2.0)
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                last = repr(e)
-            time.sleep(0.25)
-        pytest.fail(f"{url} not ready within {timeout_s:.0f} s (last: {last}):\n{self.tail()}", pytrace=False)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
 
 
 # ---- the configuration under test -------------------------------------------------------------------
@@ -115,11 +63,10 @@ def pagoda(default_model_path, tmp_path_factory):
     """`pagoda serve --config cpu-default` on a free loopback port (the preset, end to end)."""
     port = free_port()
     log_dir = tmp_path_factory.mktemp("pagoda")
-    env = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}
     server = Process(
-        [sys.executable, "-m", "server.cli", "serve", "--config", "cpu-default",
+        "pagoda", [sys.executable, "-m", "server.cli", "serve", "--config", "cpu-default",
          "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--no-access-log"],
-        log_dir / "pagoda.log", env=env,
+        log_dir / "pagoda.log",
     )
     server.url = f"http://127.0.0.1:{port}"
     server.port = port
@@ -140,7 +87,7 @@ def prometheus(pagoda, tmp_path_factory):
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     server = Process(
-        [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+        "prometheus", [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
         work / "prometheus.log",
     )
