@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_runtime import check_device_runs_triton
+from kernels.triton_tiles import grouped_tile
 
 DECODE_MAX_ROWS = 16
 _INTERPRETER_SMS = 4  # the interpreter has no SMs; small enough that tests reach split-K
@@ -60,13 +61,7 @@ def _w4a16_kernel(
     GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_pid_n)
-    first_m = group * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_runtime import check_device_runs_triton
+from kernels.triton_tiles import grouped_tile
 
 _MAX_QUANT_BLOCK = 4096  # row chunk of the quantization kernel: Llama hidden sizes in one pass
 
@@ -107,15 +108,8 @@ def _w8a8_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped order: GROUP_M row tiles sweep the same weight column tiles back to back.
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_pid_n)
-    first_m = group * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
