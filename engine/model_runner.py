@@ -8,7 +8,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, prepack_linears
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from kernels.ops import KernelOps
@@ -31,6 +31,8 @@ class ModelRunner:
         self.block_manager = block_manager
         self.ops = ops
         self.device = device
+        if device.type == "cpu":
+            prepack_linears(model)  # oneDNN's weight layout: the fast CPU GEMM/GEMV
         self.block_size = block_manager.block_size
         self.prompt_rows: list[tuple[Request, int]] = []  # of the last prepared step
         # Tensor parallelism swaps in a forward that first hands the step to the other ranks.

@@ -1,9 +1,18 @@
-"""Dense linear layer `x @ weight.T + bias`, with a batched-GEMV path for small batches on CPU.
+"""Dense linear layer `x @ weight.T + bias` on CPU: oneDNN with prepacked weights.
 
-Decode is memory-bound: each step streams every weight once. torch's CPU GEMM runs a
-few-row product on one thread (~16 GB/s here, measured by /tmp-free `loadtest` benches),
-while `bmm` over P row-slices of the weight spreads the stream over P threads (~40 GB/s
-on 2 cores). Larger batches are compute-bound and go to the regular GEMM.
+torch's default CPU GEMM (MKL) is slow on this project's AMD CPUs: it runs float32 at
+~200 GFLOP/s on 2 cores and a few-row product on one thread (~16 GB/s). oneDNN, the
+library behind torch's `mkldnn` ops and Inductor's CPU linears, reaches ~450 GFLOP/s in
+float32 and ~900 in bf16 (AVX512-BF16) on the same cores, and streams a 1-row decode
+product over every thread (~40-55 GB/s), once the weight is reordered into its blocked
+layout. `pack_weight` makes that copy once, at engine start; `linear` uses it when given.
+Measured per call by the script in the issue-7 note (weights larger than the caches,
+2 threads): float32 rows 1 / 32 / 256 -> 1.0x / 2.1x / 2.4x torch's F.linear-or-sliced
+path; bf16 2.3x / 1.3x / 1.1x.
+
+Without a packed weight (CUDA, other dtypes, a torch without oneDNN), decode on CPU
+falls back to the sliced batched GEMV below: `bmm` over P row-slices of the weight
+spreads the weight stream over P threads (~40 GB/s on 2 cores vs ~16 for F.linear).
 """
 
 from __future__ import annotations
@@ -14,13 +23,45 @@ import torch.nn.functional as F
 # Up to this many rows the sliced bmm beats F.linear on CPU (measured: 2.6x at 1 row,
 # 1.6x at 8, 1.2x at 32).
 SMALL_BATCH_ROWS = 32
+# The batch size oneDNN's weight layout is chosen for: 64 was best or within 5% of best
+# at 1, 32 and 256 rows in both dtypes (hint 1 loses 20-40% at 32 rows in float32).
+PACK_BATCH_HINT = 64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a CPU float32/bf16 weight [N, K], or None where that path is
+    unavailable or disagrees with F.linear (checked once, on a few random rows)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    weight = weight.detach().contiguous()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        got = _packed_linear(probe, packed, None).float()
+    except (AttributeError, RuntimeError):
+        return None
+    want = F.linear(probe, weight).float()
+    tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
+    if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
+        return None
+    return packed
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
+        return _packed_linear(x.contiguous(), packed, bias)
     rows = x.shape[0]
     parts = torch.get_num_threads()
     n, k = weight.shape
-    if x.device.type != "cpu" or rows > SMALL_BATCH_ROWS or parts < 2 or n % parts:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or rows > SMALL_BATCH_ROWS or parts < 2 or n % parts:
         return F.linear(x, weight, bias)
     out = torch.bmm(weight.view(parts, n // parts, k), x.t().expand(parts, k, rows))  # [P, n/P, rows]
     out = out.view(n, rows).t()

@@ -13,9 +13,10 @@ Triton is imported only when a Triton backend is chosen, so `import kernels` sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -28,6 +29,9 @@ class KernelOps:
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     copy_blocks: Callable[..., None] = reference.copy_blocks
+    # Entered around one forward pass, whose layers all pass the same metadata tensors:
+    # the reference derives its gather indices from them once inside it.
+    forward_scope: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:
@@ -40,6 +44,7 @@ def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:
             backend="torch",
             reshape_and_cache=reference.reshape_and_cache,
             paged_attention=reference.paged_attention,
+            forward_scope=reference.reuse_attention_plans,
         )
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
@@ -75,5 +80,6 @@ def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:
         reshape_and_cache=reshape_and_cache,
         paged_attention=paged_attention,
         copy_blocks=triton_copy.copy_blocks,
+        forward_scope=reference.reuse_attention_plans,  # for the calls that fall back to it
     )
 

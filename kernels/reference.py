@@ -9,6 +9,10 @@ Shapes (per layer):
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +40,66 @@ def copy_blocks(
     for key_cache, value_cache in zip(key_caches, value_caches):
         key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
         value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+
+
+class _AttentionPlan:
+    """What a step's metadata says about gathering K/V, built once and reused by every layer."""
+
+    __slots__ = ("starts", "lens", "q_lens", "decode_b", "decode_all", "decode_rows", "decode_token_idx",
+                 "decode_slots", "decode_max_len", "decode_mask")
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int):
+        self.starts = starts = query_start_loc.tolist()
+        self.lens = lens = seq_lens.tolist()
+        self.q_lens = q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        decode_seqs = [i for i, n in enumerate(q_lens) if n == 1]
+        self.decode_b = b = len(decode_seqs)
+        self.decode_all = b == len(q_lens)
+        if not decode_seqs:
+            return
+        if self.decode_all:
+            rows = torch.arange(b)
+            self.decode_token_idx = query_start_loc[:-1].long()
+        else:
+            rows = torch.tensor(decode_seqs)
+            self.decode_token_idx = torch.tensor([starts[i] for i in decode_seqs])
+        self.decode_rows = rows
+        self.decode_max_len = max_len = max(lens[i] for i in decode_seqs)
+        ctx_lens = seq_lens[rows].to(torch.long)
+        # One flat slot per context position. Positions past a sequence's end read its last
+        # real slot instead (masked below): slots there may hold stale data, even inf/nan,
+        # and 0 * inf would poison the output.
+        positions = torch.minimum(torch.arange(max_len)[None, :], ctx_lens[:, None] - 1)  # [b, ctx]
+        tables = block_tables[rows].long()
+        self.decode_slots = (tables.gather(1, positions // block_size) * block_size + positions % block_size).flatten()
+        valid = torch.arange(max_len)[None, :] < ctx_lens[:, None]  # [b, ctx]
+        self.decode_mask = valid[:, None, None, :]
+
+
+# Inside `reuse_attention_plans` (one forward pass), the plan of the metadata tensors last
+# seen is kept: every layer passes the same tensors, so the index arithmetic runs once per
+# step instead of once per layer. Outside it nothing is kept. Per thread.
+_plans = threading.local()
+
+
+@contextlib.contextmanager
+def reuse_attention_plans() -> Iterator[None]:
+    _plans.active, _plans.entry = True, None
+    try:
+        yield
+    finally:
+        _plans.active, _plans.entry = False, None
+
+
+def _plan_for(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int) -> _AttentionPlan:
+    if not getattr(_plans, "active", False):
+        return _AttentionPlan(block_tables, seq_lens, query_start_loc, block_size)
+    entry = _plans.entry
+    if entry is not None and entry[0] is block_tables and entry[1] is seq_lens and entry[2] is query_start_loc and entry[3] == block_size:
+        return entry[4]
+    plan = _AttentionPlan(block_tables, seq_lens, query_start_loc, block_size)
+    _plans.entry = (block_tables, seq_lens, query_start_loc, block_size, plan)
+    return plan
 
 
 def paged_attention(
@@ -66,40 +130,30 @@ def paged_attention(
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    plan = _plan_for(block_tables, seq_lens, query_start_loc, block_size)
+    starts, lens = plan.starts, plan.lens
     kv_row = num_kv_heads * head_dim
-    flat_k = key_cache.view(-1, kv_row)
-    flat_v = value_cache.view(-1, kv_row)
 
-    decode_seqs = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode_seqs:
-        if len(decode_seqs) == len(q_lens):
-            rows = torch.arange(len(q_lens))
-            token_idx = query_start_loc[:-1].long()
-        else:
-            rows = torch.tensor(decode_seqs)
-            token_idx = torch.tensor([starts[i] for i in decode_seqs])
-        max_len = max(lens[i] for i in decode_seqs)
-        b = len(decode_seqs)
-        ctx_lens = seq_lens[rows].to(torch.long)
-        # One flat slot per context position. Positions past a sequence's end read its last
-        # real slot instead (masked below): slots there may hold stale data, even inf/nan,
-        # and 0 * inf would poison the output.
-        positions = torch.minimum(torch.arange(max_len)[None, :], ctx_lens[:, None] - 1)  # [b, ctx]
-        tables = block_tables[rows].long()
-        slots = (tables.gather(1, positions // block_size) * block_size + positions % block_size).flatten()
+    if plan.decode_b:
+        b, max_len = plan.decode_b, plan.decode_max_len
         # index_select copies whole rows (4x faster than advanced indexing on CPU).
-        k = flat_k.index_select(0, slots).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
-        v = flat_v.index_select(0, slots).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
+        slots = plan.decode_slots
+        k = key_cache.view(-1, kv_row).index_select(0, slots).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
+        v = value_cache.view(-1, kv_row).index_select(0, slots).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
         # The `group` query heads sharing a KV head are that head's query rows: [b, kv, g, d].
-        q = query[token_idx].view(b, num_kv_heads, group, head_dim).float()
-        valid = torch.arange(max_len)[None, :] < ctx_lens[:, None]  # [b, ctx]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
-        out[token_idx] = o.reshape(b, num_heads, head_dim).to(out.dtype)
+        if plan.decode_all and num_tokens == b:
+            q = query.reshape(b, num_kv_heads, group, head_dim).float()
+        else:
+            q = query[plan.decode_token_idx].view(b, num_kv_heads, group, head_dim).float()
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
+        if plan.decode_all and num_tokens == b:
+            out.copy_(o.reshape(b, num_heads, head_dim))
+        else:
+            out[plan.decode_token_idx] = o.reshape(b, num_heads, head_dim).to(out.dtype)
+        if plan.decode_all:
+            return out
 
-    for i, q_len in enumerate(q_lens):
+    for i, q_len in enumerate(plan.q_lens):
         if q_len == 1 or q_len == 0:
             continue
         ctx = lens[i]

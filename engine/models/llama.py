@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from kernels.linear import linear
+from kernels.linear import linear, pack_weight
 from kernels.ops import KernelOps
 
 # Checkpoint tensors that load into a slice of a fused parameter: (fused name, shard index).
@@ -113,9 +113,39 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, Hkv, D]; the "rotate half" layout of HF Llama checkpoints.
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self.cos_sin(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] of these positions."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """Rotate q and k heads side by side ([T, H + Hkv, D], one pass): same values as forward."""
+        return _rotate(qk, *self.cos_sin(positions))
+
+    def at(self, positions: torch.Tensor) -> "RotaryAt":
+        """This rotation with the cos/sin of `positions` looked up once, for all the layers of a forward."""
+        return RotaryAt(self, positions)
+
+
+class RotaryAt:
+    """A `RotaryEmbedding` bound to one forward's positions (what every layer rotates by)."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.rope = rope
+        self.positions = positions
+        self._cos_sin = rope.cos_sin(positions)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cos_sin if positions is self.positions else self.rope.cos_sin(positions)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        return _rotate(qk, *self.cos_sin(positions))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -132,13 +162,29 @@ class Linear(nn.Module):
         total = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
+        # oneDNN's blocked copy of `weight` (kernels/linear.py), set by `prepack_linears`
+        # once the weights are final; a plain attribute, outside the state dict.
+        self.packed: torch.Tensor | None = None
 
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
         start = sum(self.shard_sizes[:index])
         return param.narrow(0, start, self.shard_sizes[index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Give every float `Linear` of a model whose weights will no longer change (the
+    serving runtime, not calibration) its oneDNN-packed weight; returns how many got one.
+    The dense weight stays (tied embeddings, sharding and quantization read it), so a
+    packed layer holds its weight twice in host memory but streams one copy per call."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None:
+            module.packed = pack_weight(module.weight)
+            count += module.packed is not None
+    return count
 
 
 class RMSNorm(nn.Module):
@@ -148,6 +194,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # torch's fused kernel: bit-identical to the steps below in float32, fewer ops.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Same order of operations as HF LlamaRMSNorm: normalise in fp32, cast, then scale.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -171,23 +220,23 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: RotaryEmbedding | RotaryAt,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         ops: KernelOps,
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k rotate in one pass: their columns are adjacent in the fused projection.
+        qk = rope.rotate_qk(positions, qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         o = ops.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
-        return self.o_proj(o.view(T, self.q_size))
+        return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
@@ -237,10 +286,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states of the tokens at `meta.logits_indices`."""
         x = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, positions, self.rope, kv_cache, meta, ops)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        rope = self.rope.at(positions)  # cos/sin looked up once, not once per layer
+        with ops.forward_scope():  # the layers share this step's metadata (and what ops derive from it)
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                h = layer.input_layernorm(x)
+                x = x + layer.self_attn(h, positions, rope, kv_cache, meta, ops)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         # Only the positions that sample need the final norm and the (large) LM head.
         return self.model.norm(x[meta.logits_indices])
 

@@ -1,0 +1,57 @@
+"""kernels/linear.py: the oneDNN-packed CPU linear and the sliced-GEMV fallback equal F.linear,
+and the serving runtime (not calibration) packs the model's float linears."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.linear import linear, pack_weight
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 32, 65])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_f_linear(dtype, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(200, 96, generator=g).to(dtype)
+    bias = torch.randn(200, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    packed = pack_weight(weight)
+    assert packed is not None, "oneDNN packing is available on this CPU build"
+    got = linear(x, weight, bias, packed)
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == dtype and got.shape == (rows, 200)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_sliced_gemv_fallback_equals_f_linear():
+    g = torch.Generator().manual_seed(1)
+    weight, x, bias = torch.randn(64, 48, generator=g), torch.randn(2, 48, generator=g), torch.randn(64, generator=g)
+    assert torch.allclose(linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_weight_refuses_what_onednn_does_not_take():
+    assert pack_weight(torch.randn(8, 4, dtype=torch.float64)) is None
+    assert pack_weight(torch.randn(2, 8, 4)) is None
+
+
+def test_runner_packs_the_models_linears(tmp_path):
+    from transformers import LlamaConfig
+
+    from engine.dummy_model import write_dummy_model_folder
+    from engine.llm import LLM
+    from engine.models.llama import Linear
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    folder = write_dummy_model_folder(tmp_path / "m", config)
+    llm = LLM(model=str(folder), load_format="dummy", dtype="float32", kv_cache_memory=0.01)
+    linears = [m for m in llm.engine_core.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
