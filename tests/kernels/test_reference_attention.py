@@ -289,3 +289,26 @@ def test_reference_check_catches_a_wrong_block_table() -> None:
     scale = 64**-0.5
     with pytest.raises(AssertionError):
         torch.testing.assert_close(run_paged(batch, scale), ref_paged_attention(batch, scale), atol=ATOL, rtol=RTOL)
+
+
+def test_plans_reused_within_a_forward_scope_follow_the_metadata():
+    """Inside one forward (`reuse_attention_plans`) the layers share one gather plan; a
+    different batch's metadata, or a non-contiguous query (q sliced from the fused q/k
+    rotation), still gets its own correct answer, and nothing is kept after the scope."""
+    from kernels.reference import _plans, reuse_attention_plans
+
+    decodes = make_batch([(17, 1), (33, 1), (5, 1)], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, seed=1)
+    mixed = make_batch([(40, 7), (16, 1), (9, 9)], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, seed=2)
+    scale = 0.125
+    with reuse_attention_plans():
+        for _ in range(2):  # "two layers" of the same step
+            for batch in (decodes, mixed):
+                torch.testing.assert_close(run_paged(batch, scale), ref_paged_attention(batch, scale), atol=ATOL, rtol=RTOL)
+        wide = torch.randn(decodes.query.shape[0], 8, 64)
+        wide[:, :6] = decodes.query
+        sliced = wide[:, :6]
+        assert not sliced.is_contiguous()
+        got = paged_attention(sliced, decodes.key_cache, decodes.value_cache, decodes.block_tables,
+                              decodes.seq_lens, decodes.query_start_loc, scale)
+        torch.testing.assert_close(got, ref_paged_attention(decodes, scale), atol=ATOL, rtol=RTOL)
+    assert _plans.entry is None
