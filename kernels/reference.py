@@ -46,7 +46,7 @@ class _AttentionPlan:
     """What a step's metadata says about gathering K/V, built once and reused by every layer."""
 
     __slots__ = ("starts", "lens", "q_lens", "decode_b", "decode_all", "decode_rows", "decode_token_idx",
-                 "decode_slots", "decode_max_len", "decode_mask")
+                 "decode_slots", "decode_max_len", "decode_mask", "decode_first_slot")
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int):
         self.starts = starts = query_start_loc.tolist()
@@ -65,6 +65,15 @@ class _AttentionPlan:
             self.decode_token_idx = torch.tensor([starts[i] for i in decode_seqs])
         self.decode_rows = rows
         self.decode_max_len = max_len = max(lens[i] for i in decode_seqs)
+        # One sequence whose blocks happen to be consecutive in the cache (common: the free
+        # list hands out blocks in order) is read in place, without a gather or a mask.
+        self.decode_first_slot = None
+        if b == 1:
+            blocks = block_tables[decode_seqs[0], : (max_len + block_size - 1) // block_size].tolist()
+            if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+                self.decode_first_slot = blocks[0] * block_size
+                self.decode_mask = None
+                return
         ctx_lens = seq_lens[rows].to(torch.long)
         # One flat slot per context position. Positions past a sequence's end read its last
         # real slot instead (masked below): slots there may hold stale data, even inf/nan,
@@ -72,8 +81,11 @@ class _AttentionPlan:
         positions = torch.minimum(torch.arange(max_len)[None, :], ctx_lens[:, None] - 1)  # [b, ctx]
         tables = block_tables[rows].long()
         self.decode_slots = (tables.gather(1, positions // block_size) * block_size + positions % block_size).flatten()
-        valid = torch.arange(max_len)[None, :] < ctx_lens[:, None]  # [b, ctx]
-        self.decode_mask = valid[:, None, None, :]
+        if min(lens[i] for i in decode_seqs) == max_len:
+            self.decode_mask = None  # every context is max_len long: nothing to mask
+        else:
+            valid = torch.arange(max_len)[None, :] < ctx_lens[:, None]  # [b, ctx]
+            self.decode_mask = valid[:, None, None, :]
 
 
 # Inside `reuse_attention_plans` (one forward pass), the plan of the metadata tensors last
@@ -137,9 +149,14 @@ def paged_attention(
     if plan.decode_b:
         b, max_len = plan.decode_b, plan.decode_max_len
         # index_select copies whole rows (4x faster than advanced indexing on CPU).
-        slots = plan.decode_slots
-        k = key_cache.view(-1, kv_row).index_select(0, slots).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
-        v = value_cache.view(-1, kv_row).index_select(0, slots).view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
+        if plan.decode_first_slot is not None:
+            k = key_cache.view(-1, kv_row).narrow(0, plan.decode_first_slot, max_len)
+            v = value_cache.view(-1, kv_row).narrow(0, plan.decode_first_slot, max_len)
+        else:
+            k = key_cache.view(-1, kv_row).index_select(0, plan.decode_slots)
+            v = value_cache.view(-1, kv_row).index_select(0, plan.decode_slots)
+        k = k.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
+        v = v.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
         # The `group` query heads sharing a KV head are that head's query rows: [b, kv, g, d].
         if plan.decode_all and num_tokens == b:
             q = query.reshape(b, num_kv_heads, group, head_dim).float()

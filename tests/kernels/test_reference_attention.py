@@ -312,3 +312,11 @@ def test_plans_reused_within_a_forward_scope_follow_the_metadata():
                               decodes.seq_lens, decodes.query_start_loc, scale)
         torch.testing.assert_close(got, ref_paged_attention(decodes, scale), atol=ATOL, rtol=RTOL)
     assert _plans.entry is None
+
+
+@pytest.mark.parametrize("block_order", ["sequential", "shuffled"])
+@pytest.mark.parametrize("seq_len", [1, 16, 33])
+def test_single_decode_reads_consecutive_blocks_in_place(block_order, seq_len):
+    """One decoding sequence whose blocks are consecutive is read without a gather; shuffled
+    blocks take the gather. Both equal the dense attention."""
+    check(make_batch([(seq_len, 1)], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, block_order=block_order, seed=seq_len))
