@@ -40,9 +40,9 @@ clean:
 # Serving benchmark (issue 7): concurrency 1/8/32/64 against pagoda and every local peer
 # (`transformers serve --continuous-batching`; llama-cpp-python's server when installed), the
 # same model files and prompts, one server at a time. Writes docs/BENCHMARKS-serving.md (the
-# table and the exact command), docs/serving-*.png and docs/bench-serving.json. ~10-20 min on
-# 2 CPU cores; `--duration` bounds each load level.
-BENCH_SERVE_ARGS ?= --sweep --peers --dtype float32 --input-len 128 --output-len 128 --num-prompts 2x --warmup 4 --duration 120 --request-timeout 300
+# table and the exact command), docs/serving-*.png and docs/bench-serving.json. ~5 min on
+# 2 CPU cores with transformers serve, ~10 with llama.cpp too; `--duration` bounds each load level.
+BENCH_SERVE_ARGS ?= --sweep --peers --dtype float32 --input-len 128 --output-len 64 --num-prompts 2x --warmup 2 --duration 60 --request-timeout 300
 .PHONY: bench-serve
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PIP) install -q -c constraints.txt -e '.[bench]'

@@ -169,9 +169,11 @@ def llama_cpp_spec(gguf_path: Path | None, extra_args: list[str] = ()) -> Server
         return Skipped(name, f"its server needs {', '.join(missing)} (pip install 'llama-cpp-python[server]')")
     if gguf_path is None or not gguf_path.is_file():
         return Skipped(name, "no GGUF file of the model (pass --gguf PATH)")
+    # One request at a time: by default a new request cuts off the one streaming
+    # (`interrupt_requests`), which would count as short outputs; queue them instead.
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path),
            "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", "4096",
-           "--n_threads", str(os.cpu_count() or 1), *extra_args]
+           "--n_threads", str(os.cpu_count() or 1), "--interrupt_requests", "false", *extra_args]
     return ServerSpec(name, cmd, model=gguf_path.stem, ready_paths=("/v1/models",))
 
 
