@@ -52,3 +52,14 @@ bench-serve: setup $(VENV)/.installed-bench
 	$(PY) -m loadtest $(BENCH_SERVE_ARGS) --title 'Serving benchmark (make bench-serve)' \
 		--out .cache/bench-serve --markdown docs/BENCHMARKS-serving.md --json docs/bench-serving.json \
 		--plots-dir docs --plot-prefix serving- --progress plain $(ARGS)
+
+# The issue-7 stretch: batch-1 latency of pagoda's INT4 (--quantization int4) against
+# llama.cpp on the bundled model's own Q4_1 GGUF (and transformers serve), one load level.
+# llama.cpp is compared only when installed: .venv/bin/pip install 'llama-cpp-python[server]'
+# (builds llama.cpp from source, ~10 min on 2 cores). Writes docs/BENCHMARKS-serving-int4.md.
+BENCH_INT4_ARGS ?= --peers --dtype float32 --server-args '--quantization int4' --concurrency 1 --input-len 128 --output-len 64 --num-prompts 8 --warmup 2 --request-timeout 300
+.PHONY: bench-serve-int4
+bench-serve-int4: setup $(VENV)/.installed-bench
+	$(PY) -m loadtest $(BENCH_INT4_ARGS) \
+		--title 'Batch-1 latency: pagoda INT4 (--quantization int4) vs llama.cpp on its own Q4_1 GGUF (make bench-serve-int4)' \
+		--out .cache/bench-int4 --markdown docs/BENCHMARKS-serving-int4.md --json docs/bench-serving-int4.json --progress none $(ARGS)
