@@ -6,9 +6,9 @@ library behind torch's `mkldnn` ops and Inductor's CPU linears, reaches ~450 GFL
 float32 and ~900 in bf16 (AVX512-BF16) on the same cores, and streams a 1-row decode
 product over every thread (~40-55 GB/s), once the weight is reordered into its blocked
 layout. `pack_weight` makes that copy once, at engine start; `linear` uses it when given.
-Measured per call by the script in the issue-7 note (weights larger than the caches,
-2 threads): float32 rows 1 / 32 / 256 -> 1.0x / 2.1x / 2.4x torch's F.linear-or-sliced
-path; bf16 2.3x / 1.3x / 1.1x.
+Measured per call (weights larger than the caches, 2 threads; docs/BENCHMARKS.md): float32
+rows 1 / 32 / 256 -> 1.0x / 2.1x / 2.4x torch's F.linear-or-sliced path; bf16 2.3x / 1.3x /
+1.1x.
 
 Without a packed weight (CUDA, other dtypes, a torch without oneDNN), decode on CPU
 falls back to the sliced batched GEMV below: `bmm` over P row-slices of the weight
