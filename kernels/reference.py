@@ -96,11 +96,12 @@ _plans = threading.local()
 
 @contextlib.contextmanager
 def reuse_attention_plans() -> Iterator[None]:
+    outer = (getattr(_plans, "active", False), getattr(_plans, "entry", None))
     _plans.active, _plans.entry = True, None
     try:
         yield
     finally:
-        _plans.active, _plans.entry = False, None
+        _plans.active, _plans.entry = outer
 
 
 def _plan_for(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int) -> _AttentionPlan:
