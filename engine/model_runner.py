@@ -31,8 +31,7 @@ class ModelRunner:
         self.block_manager = block_manager
         self.ops = ops
         self.device = device
-        if device.type == "cpu":
-            prepack_linears(model)  # oneDNN's weight layout: the fast CPU GEMM/GEMV
+        prepack_linears(model)  # on CPU, oneDNN's weight layout: the fast GEMM/GEMV
         self.block_size = block_manager.block_size
         self.prompt_rows: list[tuple[Request, int]] = []  # of the last prepared step
         # Tensor parallelism swaps in a forward that first hands the step to the other ranks.

@@ -45,7 +45,7 @@ def copy_blocks(
 class _AttentionPlan:
     """What a step's metadata says about gathering K/V, built once and reused by every layer."""
 
-    __slots__ = ("starts", "lens", "q_lens", "decode_b", "decode_all", "decode_rows", "decode_token_idx",
+    __slots__ = ("starts", "lens", "q_lens", "decode_b", "decode_all", "decode_token_idx",
                  "decode_slots", "decode_max_len", "decode_mask", "decode_first_slot")
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int):
@@ -63,7 +63,6 @@ class _AttentionPlan:
         else:
             rows = torch.tensor(decode_seqs)
             self.decode_token_idx = torch.tensor([starts[i] for i in decode_seqs])
-        self.decode_rows = rows
         self.decode_max_len = max_len = max(lens[i] for i in decode_seqs)
         # One sequence whose blocks happen to be consecutive in the cache (common: the free
         # list hands out blocks in order) is read in place, without a gather or a mask.
@@ -159,12 +158,13 @@ def paged_attention(
         k = k.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
         v = v.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
         # The `group` query heads sharing a KV head are that head's query rows: [b, kv, g, d].
-        if plan.decode_all and num_tokens == b:
+        in_order = plan.decode_all and num_tokens == b  # decode row i is query token i
+        if in_order:
             q = query.reshape(b, num_kv_heads, group, head_dim).float()
         else:
             q = query[plan.decode_token_idx].view(b, num_kv_heads, group, head_dim).float()
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
-        if plan.decode_all and num_tokens == b:
+        if in_order:
             out.copy_(o.reshape(b, num_heads, head_dim))
         else:
             out[plan.decode_token_idx] = o.reshape(b, num_heads, head_dim).to(out.dtype)

@@ -87,8 +87,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     args = ModelArgs.from_hf_config(load_hf_config(model_path))
     max_model_len = mc.max_model_len or args.max_position_embeddings
     model, layout = load_model_shard(config, model_path, max_model_len, device, groups)
-    if device.type == "cpu":
-        prepack_linears(model)  # as ModelRunner does on rank 0
+    prepack_linears(model)  # as ModelRunner does on rank 0
     spec = layout.kv_cache_spec(KVCacheSpec.from_model(args, mc.torch_dtype, cc.block_size))
     own = cc.num_gpu_blocks_override or spec.num_blocks_for_budget(kv_cache_budget_bytes(cc.kv_cache_memory, device))
     kv_caches = allocate_kv_cache(spec, agree_num_blocks(groups, own), device)

@@ -111,17 +111,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, Hkv, D]; the "rotate half" layout of HF Llama checkpoints.
-        cos, sin = self.cos_sin(positions)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D/2] of these positions."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
-        """Rotate q and k heads side by side ([T, H + Hkv, D], one pass): same values as forward."""
+        """Rotate q and k heads side by side ([T, H + Hkv, D], one pass): their columns are
+        adjacent in the fused QKV projection, and both turn by the same angles."""
         return _rotate(qk, *self.cos_sin(positions))
 
     def at(self, positions: torch.Tensor) -> "RotaryAt":
@@ -140,12 +136,7 @@ class RotaryAt:
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cos_sin if positions is self.positions else self.rope.cos_sin(positions)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
-        return _rotate(qk, *self.cos_sin(positions))
+    rotate_qk = RotaryEmbedding.rotate_qk  # the same rotation, through this cos_sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -176,7 +167,8 @@ class Linear(nn.Module):
 
 def prepack_linears(model: nn.Module) -> int:
     """Give every float `Linear` of a model whose weights will no longer change (the
-    serving runtime, not calibration) its oneDNN-packed weight; returns how many got one.
+    serving runtime, not calibration) its oneDNN-packed weight; returns how many got one
+    (none off the CPU: `pack_weight` takes CPU weights only).
     The dense weight stays (tied embeddings, sharding and quantization read it), so a
     packed layer holds its weight twice in host memory but streams one copy per call."""
     count = 0
