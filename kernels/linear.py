@@ -1,14 +1,13 @@
 """Dense linear layer `x @ weight.T + bias` on CPU: oneDNN with prepacked weights.
 
-torch's default CPU GEMM (MKL) is slow on this project's AMD CPUs: it runs float32 at
-~200 GFLOP/s on 2 cores and a few-row product on one thread (~16 GB/s). oneDNN, the
-library behind torch's `mkldnn` ops and Inductor's CPU linears, reaches ~450 GFLOP/s in
-float32 and ~900 in bf16 (AVX512-BF16) on the same cores, and streams a 1-row decode
-product over every thread (~40-55 GB/s), once the weight is reordered into its blocked
-layout. `pack_weight` makes that copy once, at engine start; `linear` uses it when given.
-Measured per call (weights larger than the caches, 2 threads; docs/BENCHMARKS.md): float32
-rows 1 / 32 / 256 -> 1.0x / 2.1x / 2.4x torch's F.linear-or-sliced path; bf16 2.3x / 1.3x /
-1.1x.
+torch's default CPU GEMM (MKL) is slow on this project's AMD CPUs: float32 at ~200 GFLOP/s
+on 2 cores, and a few-row product on one thread. oneDNN, the library behind torch's
+`mkldnn` ops and Inductor's CPU linears, runs float32 at ~480 GFLOP/s and spreads a 1-row
+bf16 product over every thread, once the weight is reordered into its blocked layout.
+`pack_weight` makes that copy once, at engine start; `linear` uses it when given.
+`python -m loadtest.bench_linear` measures both paths per call on the default model's
+shapes (figures in docs/BENCHMARKS.md): float32 ~1x at 1 row, 1.7-3x at 8-256 rows; bf16
+1.3-1.4x at 1-8 rows.
 
 Without a packed weight (CUDA, other dtypes, a torch without oneDNN), decode on CPU
 falls back to the sliced batched GEMV below: `bmm` over P row-slices of the weight

@@ -1,0 +1,88 @@
+"""Per-call speed of the CPU linear paths in kernels/linear.py, on the default model's shapes.
+
+    python -m loadtest.bench_linear            # float32 and bf16, rows 1 / 8 / 32 / 256
+
+For each weight shape (SmolLM2-135M's gate_up, down_proj and LM head) it times, in one
+process and alternating: torch's default path (what `linear` ran before the oneDNN change:
+the sliced `bmm` GEMV up to 32 float32 rows, `F.linear` otherwise, i.e. MKL) and the
+oneDNN path with a prepacked weight (`pack_weight` + `linear`). Each timing cycles through
+enough distinct weights (~200 MB) that they stream from memory, as in a decode step,
+instead of sitting in the caches. Also prints the 2048^3 GEMM rate of MKL (`torch.mm`) and
+of oneDNN, the two limits `bench_offline` takes the faster of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kernels.linear import SMALL_BATCH_ROWS, linear, pack_weight
+
+SHAPES = {"gate_up [3072x576]": (3072, 576), "down_proj [576x1536]": (576, 1536), "lm_head [49152x576]": (49152, 576)}
+
+
+def _old_path(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # `linear` without a packed weight: the sliced bmm for few float32 rows, else F.linear.
+    if x.dtype == torch.float32 and x.shape[0] <= SMALL_BATCH_ROWS:
+        return linear(x, weight)
+    return F.linear(x, weight)
+
+
+def time_per_call(fn, xs: torch.Tensor, weights: list, repeats: int = 3) -> float:
+    for w in weights[:2]:
+        fn(xs, w)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for w in weights:
+            fn(xs, w)
+        best = min(best, (time.perf_counter() - t0) / len(weights))
+    return best
+
+
+def gemm_rates(dtype: torch.dtype, n: int = 2048) -> tuple[float, float]:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    w = b.t().contiguous()
+    packed = pack_weight(w)
+    flops = 2 * n**3
+    mkl = flops / time_per_call(lambda x, y: torch.mm(x, y), a, [b] * 3) / 1e9
+    onednn = flops / time_per_call(lambda x, p: linear(x, w, None, p), a, [packed] * 3) / 1e9 if packed is not None else 0.0
+    return mkl, onednn
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,8,32,256")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--stream-mb", type=int, default=200, help="weight bytes cycled through per timing")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| dtype | weight | rows | default path ms | oneDNN packed ms | speed-up | oneDNN GB/s of weight |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        for name, (n, k) in SHAPES.items():
+            size = n * k * torch.empty((), dtype=dtype).element_size()
+            count = max(2, args.stream_mb * 1_000_000 // size)
+            weights = [torch.randn(n, k).to(dtype) for _ in range(count)]
+            packed = [pack_weight(w) for w in weights]
+            if any(pw is None for pw in packed):
+                print(f"| {dtype} | {name} | - | - | unavailable | | |")
+                continue
+            pairs = list(zip(weights, packed))
+            for rows in [int(r) for r in args.rows.split(",")]:
+                x = torch.randn(rows, k).to(dtype)
+                old = time_per_call(_old_path, x, weights)
+                new = time_per_call(lambda xs, wp: linear(xs, wp[0], None, wp[1]), x, pairs)
+                print(f"| {str(dtype)[6:]} | {name} | {rows} | {old * 1e3:.3f} | {new * 1e3:.3f} | {old / new:.2f}x | {size / new / 1e9:.1f} |")
+            del weights, packed, pairs
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        mkl, onednn = gemm_rates(dtype)
+        print(f"GEMM 2048^3 {str(dtype)[6:]}: torch.mm (MKL) {mkl:.0f} GFLOP/s, oneDNN packed {onednn:.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
