@@ -27,6 +27,7 @@ from engine.llm import child_params
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import StepStats
+from engine.structured_output import GrammarError, StructuredOutputSpec
 
 
 class EngineDeadError(RuntimeError):
@@ -165,6 +166,25 @@ class AsyncEngine:
                 f"the server is at its limit of {limit} queued prompt tokens "
                 f"({queued} queued, {num_prompt_tokens} more asked)"
             )
+
+    def set_grammar_compile_hook(self, hook: Callable[[str, float, BaseException | None], None] | None) -> None:
+        """`hook(kind, seconds, error)` after every grammar compile (on a compile thread)."""
+        self.core.structured_output.on_compiled = hook
+
+    async def prepare_structured_output(self, spec: StructuredOutputSpec, timeout_s: float) -> None:
+        """Compile `spec` (or find it compiled) before the request is added, so that an
+        invalid or too slow grammar fails the request here, before its stream starts.
+
+        Raises GrammarError. A compile past `timeout_s` keeps running on its thread (the
+        cache keeps it for an identical request), but this request no longer waits for it.
+        """
+        future = self.core.structured_output.compile(spec)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
+        except asyncio.TimeoutError as e:
+            raise GrammarError(
+                f"compiling the {spec.kind} took longer than {timeout_s:g} s; simplify it", spec.param
+            ) from e
 
     async def generate(
         self,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -24,11 +26,14 @@ from engine.memory import profile_kv_cache_budget, take_snapshot
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, TokenLogprobs, token_logprobs
+from engine.sampler import GrammarBitmask, Sampler, TokenLogprobs, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import FinishedRequestStats, StepStats
+from engine.structured_output import GrammarError, default_manager
 from kernels.ops import get_ops
+
+logger = logging.getLogger("pagoda.engine")
 
 
 class StepFailedError(RuntimeError):
@@ -128,6 +133,10 @@ class EngineCore:
         if self.executor is not None:
             self.runner.forward_step = self.executor.run_step
         self.sampler = Sampler(mc.seed)
+        # Grammars compile on the manager's threads; the engine fills and applies masks.
+        self.structured_output = default_manager(self.tokenizer, self.model.args.vocab_size, eos_ids)
+        self._grammar_waiting: list[Request] = []
+        """Requests added while their grammar was still compiling (the scheduler skips them)."""
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.debug_invariants = os.environ.get("PAGODA_DEBUG_INVARIANTS") == "1"
@@ -203,6 +212,9 @@ class EngineCore:
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, max_tokens, cache_salt=cache_salt)
+        if params.structured_output is not None:
+            # Raises GrammarError (a ValueError) here if the compile already failed.
+            request.grammar = self.structured_output.request_grammar(params.structured_output)
         parent = self.requests.get(fork_of) if fork_of is not None else None
         if parent is not None and parent.prompt_token_ids == request.prompt_token_ids:
             request.fork_parent = parent
@@ -215,6 +227,8 @@ class EngineCore:
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
+        if request.waiting_for_grammar:
+            self._grammar_waiting.append(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
@@ -235,6 +249,7 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any (a no-op otherwise)."""
         if self.executor is not None:
             self.executor.shutdown()
+        self.structured_output.shutdown()
 
     def _fatal_error(self, error: BaseException) -> None:
         if self.on_fatal_error is not None:
@@ -243,10 +258,17 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        failed_grammars = self._start_grammars() if self._grammar_waiting else []
         preemptions_before = self.scheduler.num_preemptions
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if self._grammar_waiting:
+                # Only compiling requests are left: wait for a compile instead of spinning.
+                concurrent.futures.wait(
+                    [r.grammar.future for r in self._grammar_waiting], timeout=0.01,
+                    return_when=concurrent.futures.FIRST_COMPLETED,
+                )
+            return failed_grammars
         stats = self._new_step_stats(sched) if self.on_step is not None else None
         try:
             with torch.inference_mode():
@@ -261,8 +283,8 @@ class EngineCore:
                 if self.runner.prompt_rows:
                     self._record_prompt_logprobs(logits[len(sampling):])
                     logits = logits[: len(sampling)]
-                sampled = self.sampler(logits, sampling) if sampling else None
-            outputs = self._update(sched, sampling, sampled, stats)
+                sampled = self.sampler(logits, sampling, self._grammar_bitmask(sampling)) if sampling else None
+            outputs = failed_grammars + self._update(sched, sampling, sampled, stats)
         except TensorParallelError:
             raise  # the ranks are out of step: no later step can run
         except Exception as e:
@@ -280,6 +302,33 @@ class EngineCore:
             stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
             self._report(stats)
         return outputs
+
+    def _start_grammars(self) -> list[RequestOutput]:
+        """Give each request whose grammar finished compiling its matcher; a request whose
+        compile failed ends with "abort" (the server compiles before adding, so only
+        Python-API callers that did not wait for `structured_output.compile` see this)."""
+        outputs, still_waiting = [], []
+        for request in self._grammar_waiting:
+            if request.is_finished:
+                continue
+            try:
+                if not request.grammar.try_start():
+                    still_waiting.append(request)
+            except GrammarError as e:
+                logger.warning("request %s: %s", request.request_id, e)
+                request.stop_reason = str(e)
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._make_output(request))
+        self._grammar_waiting = still_waiting
+        return outputs
+
+    def _grammar_bitmask(self, sampling: list[Request]) -> GrammarBitmask | None:
+        """The next-token masks of this step's grammar-constrained rows, filled in parallel."""
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None and r.max_tokens > 0]
+        if not rows:
+            return None
+        bitmask = self.structured_output.fill_bitmask([sampling[i].grammar.matcher for i in rows])
+        return GrammarBitmask(bitmask, rows)
 
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> "StepFailedError":
         """A step raised: end its requests (the others are untouched) and keep the engine usable.
@@ -342,6 +391,9 @@ class EngineCore:
             request.last_token_time = now
             if sampled.logprobs[i] is not None:
                 request.logprobs.append(self._decode_logprobs(sampled.logprobs[i]))
+            if request.grammar is not None and not request.grammar.matcher.accept_token(token):
+                request.grammar.num_rejected += 1  # the matcher now reports terminated: the request stops
+                logger.warning("request %s: sampled token %d is outside its grammar", request.request_id, token)
             status = self._check_stop(request, token)
             if status is not None:
                 self._finish(request, status, stats)
@@ -369,6 +421,8 @@ class EngineCore:
             if stop_str is not None:
                 request.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.matcher.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if n >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -52,6 +52,10 @@ class LLM:
         core = self.engine_core
         results: list[RequestOutput] = []
         children: dict[str, tuple[int, int]] = {}  # child request id -> (prompt index, sample index)
+        for params in params_list:
+            if params.structured_output is not None:
+                # Compile errors (GrammarError) raise here, before any request is queued.
+                core.structured_output.compile(params.structured_output).result()
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

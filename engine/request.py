@@ -14,6 +14,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
     from engine.outputs import SampleLogprobs
+    from engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -69,6 +70,8 @@ class Request:
     """Prompt tokens served from the prefix cache when the request was first scheduled."""
     fork_parent: "Request | None" = None
     """Sample j > 0 of an n > 1 request: shares sample 0's prompt blocks once computed."""
+    grammar: "RequestGrammar | None" = None
+    """The grammar its tokens must follow (SamplingParams.structured_output), compiled or compiling."""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -105,6 +108,10 @@ class Request:
     @property
     def cache_extra_keys(self) -> tuple:
         return () if self.cache_salt is None else (self.cache_salt,)
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        return self.grammar is not None and not self.grammar.is_ready
 
     @property
     def is_finished(self) -> bool:

@@ -1,8 +1,9 @@
 """Turn each request's last-position logits into its next token.
 
 Order of processing (as vLLM): logprobs of the raw model distribution are taken first;
-then penalties, logit bias and the min_tokens mask; then greedy rows take the argmax and
-random rows are tempered, filtered (top-k, top-p, min-p) and sampled. Sampling uses the
+then penalties, logit bias and the min_tokens mask; then the grammar's token bitmask
+(structured outputs); then greedy rows take the argmax and random rows are tempered,
+filtered (top-k, top-p, min-p) and sampled, so both obey the grammar. Sampling uses the
 exponential-race trick (argmax of p / q with q ~ Exp(1)) so a seeded request draws its
 noise from its own generator, one row at a time: same seed, same tokens, whatever else
 is in the batch (and on whatever device: seeded noise is drawn on the CPU).
@@ -30,6 +31,15 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """The tokens each grammar-constrained row may sample (the others are unconstrained)."""
+
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, CPU: bit t%32 of word t//32 = token t allowed
+    rows: list[int]
+    """The sampler rows (indices into the step's sampling requests) the bitmask rows belong to."""
+
+
+@dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
@@ -42,18 +52,22 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], grammar_bitmask: GrammarBitmask | None = None
+    ) -> SamplerOutput:
         logits = logits.float()
         device = logits.device
         # Logprobs describe the model's own distribution, before any processing.
         want_logprobs = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[_on(device, want_logprobs)], dim=-1) if want_logprobs else None
 
-        if any(_needs_processing(r) for r in requests):
-            logits = logits.clone()
+        if any(_needs_processing(r) for r in requests) or grammar_bitmask is not None:
+            raw_logits, logits = logits, logits.clone()
             for row, request in enumerate(requests):
                 if _needs_processing(request):
                     _apply_penalties_and_bias(logits[row], request)
+            if grammar_bitmask is not None:
+                apply_grammar_bitmask(logits, grammar_bitmask, raw_logits)
 
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
@@ -207,3 +221,34 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         threshold = _on(device, min_ps, logits.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+# _BYTE_BITS[b, j]: bit j of byte b. A little-endian int32 bitmask viewed as bytes has token
+# t at byte t // 8, bit t % 8, so one gather expands the bitmask to a bool per token.
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+_device_byte_bits: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, raw_logits: torch.Tensor) -> None:
+    """Set the logits of tokens a row's grammar forbids to -inf, in place.
+
+    A row left with nothing allowed (the grammar allows only end-of-sequence while
+    min_tokens forbids it) falls back to the grammar over `raw_logits` (before penalties
+    and bias): the grammar wins, so the output still parses. Tokens past the bitmask (a
+    model vocabulary padded beyond the tokenizer's) are forbidden.
+    """
+    device, vocab = logits.device, logits.shape[-1]
+    if device not in _device_byte_bits:
+        _device_byte_bits[device] = _BYTE_BITS.to(device)
+    bitmask = grammar.bitmask.to(device, non_blocking=True)
+    allowed = _device_byte_bits[device][bitmask.view(torch.uint8).long()].view(bitmask.shape[0], -1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    allowed = allowed[:, :vocab]
+    rows = _on(device, grammar.rows)
+    sub = logits[rows]
+    masked = sub.masked_fill(~allowed, float("-inf"))
+    # Decided on the device (no host sync): rows with something left keep `masked`.
+    nothing_left = torch.isneginf(masked).all(dim=-1, keepdim=True)
+    fallback = raw_logits[rows].masked_fill(~allowed, float("-inf"))
+    logits[rows] = torch.where(nothing_left, fallback, masked)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured_output.spec import StructuredOutputSpec
 
 _GREEDY_EPS = 1e-5
 
@@ -36,6 +40,9 @@ class SamplingParams:
     """Logprob of every prompt token after the first (plus top-k alternatives): echo/perplexity."""
     """Number of top alternatives returned with each sampled token's logprob (0 = only the sampled one)."""
     skip_special_tokens: bool = True
+    structured_output: "StructuredOutputSpec | None" = None
+    """Constrain the output to a JSON schema, regex, choice or grammar; ends with "stop"
+    once the grammar is complete (max_tokens still cuts it, with "length")."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -86,6 +86,9 @@ class Scheduler:
         parked: list[Request] = []
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
+            if request.waiting_for_grammar:
+                parked.append(request)  # its grammar is still compiling; the others go on
+                continue
             parent = request.fork_parent
             if parent is not None and not self._try_fork(request):
                 parked.append(request)  # its prompt is still being computed by sample 0

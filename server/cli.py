@@ -71,6 +71,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-stall-timeout", type=float, default=defaults.health_stall_timeout_s,
                         help="seconds without engine progress (with work pending) before /health answers 503")
     parser.add_argument("--tokenizer-threads", type=int, default=defaults.tokenizer_threads)
+    parser.add_argument("--grammar-compile-timeout", type=float, default=defaults.grammar_compile_timeout_s)
+    parser.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=["hermes", "llama3_json"])
+    parser.add_argument("--chat-template", default=defaults.chat_template)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     parser.add_argument("--config", default=None, help="YAML file of flag values (or a preset name from configs/)")
@@ -172,6 +175,9 @@ def run_serve(ns: argparse.Namespace) -> int:
             max_queue_time_s=ns.max_queue_time,
             request_timeout_s=ns.request_timeout,
             shutdown_timeout_s=ns.shutdown_timeout,
+            grammar_compile_timeout_s=ns.grammar_compile_timeout,
+            tool_call_parser=ns.tool_call_parser,
+            chat_template=ns.chat_template,
         )
         if ns.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {ns.max_waiting_requests}")

@@ -28,6 +28,12 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     """On SIGTERM: seconds in-flight requests get to finish (new ones get 503) before the rest
     end with finish_reason "abort"."""
+    grammar_compile_timeout_s: float = 10.0
+    """Seconds a request's JSON schema / regex / grammar may take to compile before the request gets 400 (the compile is cached for the next identical one)."""
+    tool_call_parser: str = "hermes"
+    """How tool calls are read from the model's text: hermes (`<tool_call>{"name", "arguments"}</tool_call>`, the bundled model's server-side tool prompt) or llama3_json."""
+    chat_template: str | None = None
+    """A Jinja chat-template file that replaces the model's own (e.g. one with a tools branch)."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -42,5 +48,7 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 (or none), got {value}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")

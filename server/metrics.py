@@ -42,6 +42,8 @@ REQUEST_LATENCY_BUCKETS = [
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]
 
+GRAMMAR_COMPILE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
@@ -139,6 +141,17 @@ class Metrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens scheduled per engine step.", iteration_buckets)
 
+        # Structured outputs.
+        self._structured_requests = Counter(
+            PREFIX + "structured_output_requests",
+            "Requests constrained by a grammar, by kind (json, json_object, regex, choice, grammar, tools).",
+            ["model_name", "kind"], registry=reg)
+        self.grammar_compile_time = histogram(
+            "grammar_compile_seconds", "Time to compile a grammar (cache misses only), seconds.",
+            GRAMMAR_COMPILE_BUCKETS)
+        self.grammar_compile_failures = counter(
+            "grammar_compile_failures", "Grammars that failed to compile (invalid, or past a limit).")
+
     # --- recording -------------------------------------------------------------------
 
     def on_step(self, stats: StepStats) -> None:
@@ -177,6 +190,15 @@ class Metrics:
             self.prefix_cache_queries.inc(queries)
         if hits:
             self.prefix_cache_hits.inc(hits)
+
+    def record_structured_request(self, kind: str) -> None:
+        self._structured_requests.labels(self.model_name, kind).inc()
+
+    def on_grammar_compiled(self, kind: str, seconds: float, error: BaseException | None) -> None:
+        """A compile finished (on a compile thread): its time, or a failure."""
+        self.grammar_compile_time.observe(seconds)
+        if error is not None:
+            self.grammar_compile_failures.inc()
 
     def record_client_disconnect(self) -> None:
         self.http_requests_client_disconnected.inc()

@@ -1,22 +1,51 @@
 """Pydantic models of the OpenAI completion and chat protocol (requests, responses, chunks).
 
 Requests validate strictly (a string is not a number, `true` is not 1, NaN and infinity
-are refused) and ignore unknown fields, as vLLM does. Bounds that cap fan-out live here as
-field constraints, so a violation names its field; limits that depend on the model (vocab,
-context, the server's `n` cap) are checked by the server.
+are refused). Bounds that cap fan-out live here as field constraints, so a violation names
+its field; limits that depend on the model (vocab, context, the server's `n` cap) are
+checked by the server.
+
+Nothing a client sends is silently dropped. Every OpenAI request field is one of:
+
+- implemented (sampling, stopping, logprobs, `response_format`, tools, ...);
+- accepted as a documented no-op, when it cannot change what a local model generates
+  (`user`, `store`, `metadata`, ... - see `SamplingRequest`);
+- refused with a 400 whose `param` names it (`REFUSED_FIELDS` of each request model:
+  `audio`, `prediction`, `web_search_options`, chat-only fields sent to completions, and
+  the vLLM extensions this server does not implement, unless they hold vLLM's default).
+
+Fields that are neither OpenAI's nor vLLM's are ignored, as vLLM does, but each such name
+is logged once per process (`log_unknown_fields`, called by `server.serving.parse_request`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 import re
-from typing import Annotated, Any, Literal
+import threading
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
 
 from engine.outputs import Logprob
+from engine.structured_output.spec import GrammarError, StructuredOutputSpec
 from server.errors import InvalidRequestError
+
+logger = logging.getLogger("pagoda.server")
 
 MAX_PROMPTS = 64
 """Most prompts in one completions request (a list of strings or of token-id lists)."""
@@ -28,12 +57,17 @@ MAX_LOGIT_BIAS = 300
 MAX_SEED = 2**63 - 1
 MAX_CACHE_SALT_LEN = 1024
 """The salt is hashed into every prompt block's cache key: keep it short."""
+MAX_TOOLS = 128
+"""Most tools (or legacy functions) in one chat request, as OpenAI."""
+MAX_METADATA_PAIRS = 16
 # Logprobs JSON cannot carry -inf; vLLM reports impossible tokens as -9999.0 too.
 _MIN_LOGPROB = -9999.0
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_LEN)]
 BiasValue = Annotated[float, Field(ge=-100, le=100)]
 TokenId = Annotated[int, Field(ge=0)]
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+"""OpenAI's rule for tool (function) names: 1-64 letters, digits, '_' or '-'."""
 
 
 class _Request(BaseModel):
@@ -44,13 +78,251 @@ class _Response(BaseModel):
     model_config = ConfigDict(allow_inf_nan=True)
 
 
+# ---- refused fields ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request field is refused, and which values mean "not asked for"."""
+
+    reason: str
+    unused: tuple[Any, ...] = (None,)
+    """Values that pass: null, or the vLLM default of a vLLM extension (clients that send
+    every field with its default value must keep working)."""
+
+    def refuses(self, value: Any) -> bool:
+        # `type(...) is` so that 0 is not False and 1.0 is not True.
+        return not any(value is u or (type(value) is type(u) and value == u) for u in self.unused)
+
+
+def _refuse_fields(data: Any, refused: Mapping[str, Refusal]) -> None:
+    """400 naming the first refused field `data` uses.
+
+    Raised as InvalidRequestError, not ValueError: pydantic passes other exceptions through
+    its validators untouched, so the error keeps its `param` (a model-level ValueError would
+    have no field to name).
+    """
+    if not isinstance(data, dict):
+        return
+    for name, refusal in refused.items():
+        if name in data and refusal.refuses(data[name]):
+            raise InvalidRequestError(f"{name} is not supported: {refusal.reason}", param=name)
+
+
+_NOT_IMPLEMENTED_VLLM = "a vLLM extension this server does not implement"
+REFUSED_COMMON: Mapping[str, Refusal] = {
+    # OpenAI
+    "audio": Refusal("this server generates text only (no audio output)"),
+    "prediction": Refusal("predicted outputs are not implemented"),
+    "web_search_options": Refusal("this server has no web search"),
+    # vLLM extensions, refused unless they hold vLLM's default
+    "use_beam_search": Refusal("beam search is not implemented", (None, False)),
+    "length_penalty": Refusal("it applies to beam search, which is not implemented", (None, 1.0, 1)),
+    "allowed_token_ids": Refusal(f"{_NOT_IMPLEMENTED_VLLM} (logit_bias can do the same)"),
+    "bad_words": Refusal(f"{_NOT_IMPLEMENTED_VLLM} (stop or logit_bias may help)", (None, [])),
+    "truncate_prompt_tokens": Refusal(_NOT_IMPLEMENTED_VLLM),
+    "spaces_between_special_tokens": Refusal(_NOT_IMPLEMENTED_VLLM, (None, True)),
+    "priority": Refusal("this server schedules first come, first served", (None, 0)),
+    "logits_processors": Refusal(_NOT_IMPLEMENTED_VLLM),
+    "return_tokens_as_token_ids": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
+    "return_token_ids": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
+    "structural_tag": Refusal("structural tags are not implemented"),
+    "guided_whitespace_pattern": Refusal("a custom JSON whitespace pattern is not implemented"),
+    "kv_transfer_params": Refusal("disaggregated serving is not implemented"),
+    "vllm_xargs": Refusal(_NOT_IMPLEMENTED_VLLM),
+}
+_CHAT_FIELD = "it is a chat completions field (POST /v1/chat/completions)"
+REFUSED_COMPLETION_ONLY: Mapping[str, Refusal] = {
+    "messages": Refusal(f"{_CHAT_FIELD}; completions take a prompt"),
+    "tools": Refusal(_CHAT_FIELD),
+    "tool_choice": Refusal(_CHAT_FIELD),
+    "parallel_tool_calls": Refusal(_CHAT_FIELD),
+    "functions": Refusal(_CHAT_FIELD),
+    "function_call": Refusal(_CHAT_FIELD),
+    "max_completion_tokens": Refusal(f"{_CHAT_FIELD}; completions use max_tokens"),
+    "top_logprobs": Refusal(f"{_CHAT_FIELD}; completions use logprobs (an integer)"),
+    "add_generation_prompt": Refusal(_CHAT_FIELD, (None, True)),
+    "continue_final_message": Refusal(_CHAT_FIELD, (None, False)),
+    "prompt_logprobs": Refusal("use echo with logprobs for the prompt's logprobs"),
+    "prompt_embeds": Refusal("prompts are text or token ids"),
+    "add_special_tokens": Refusal(_NOT_IMPLEMENTED_VLLM, (None, True)),
+}
+REFUSED_CHAT_ONLY: Mapping[str, Refusal] = {
+    "best_of": Refusal("it is a completions field (POST /v1/completions)", (None, 1)),
+    "suffix": Refusal("it is a completions field, and suffix is not implemented"),
+    "prompt": Refusal("it is a completions field; chat takes messages"),
+    "echo": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
+    "prompt_logprobs": Refusal(_NOT_IMPLEMENTED_VLLM),
+    "add_special_tokens": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
+    "chat_template": Refusal("a per-request chat template is not implemented (the server's template is used)"),
+    "chat_template_kwargs": Refusal(_NOT_IMPLEMENTED_VLLM, (None, {})),
+    "documents": Refusal(_NOT_IMPLEMENTED_VLLM),
+    "mm_processor_kwargs": Refusal("this model takes text only"),
+    "media_io_kwargs": Refusal("this model takes text only"),
+}
+
+
+# ---- structured outputs ----------------------------------------------------------------------
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+GUIDED_DECODING_BACKENDS = ("auto", "guidance", "llguidance")
+"""`guided_decoding_backend` values accepted: every one means this server's only backend,
+llguidance (vLLM's name for it is "guidance")."""
+
+
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`. `strict` is accepted either way: the output is always
+    held to the schema exactly (OpenAI's strict mode)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """`{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON object) or
+    `{"type": "json_schema", "json_schema": {"name", "schema", ...}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_type(cls, data: Any) -> Any:
+        # Before the Literal check, so that the message lists the types and names the field.
+        if isinstance(data, dict) and data.get("type") not in RESPONSE_FORMAT_TYPES:
+            allowed = ", ".join(repr(t) for t in RESPONSE_FORMAT_TYPES)
+            got = f"got {data['type']!r}" if "type" in data else "it has none"
+            raise ValueError(f"response_format type must be one of {allowed}; {got}")
+        return data
+
+    @model_validator(mode="after")
+    def _schema_where_needed(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError(
+                "response_format of type 'json_schema' needs json_schema.schema (the JSON schema the output must "
+                "match); use type 'json_object' for any JSON object"
+            )
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"response_format of type {self.type!r} takes no json_schema")
+        return self
+
+
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one of `json` (a schema, as an object or JSON
+    text), `regex`, `choice`, `grammar` (Lark or GBNF), `json_object: true`.
+
+    Unknown keys are refused (an ignored key here would be an ignored constraint).
+    `disable_fallback` is accepted (there is one backend, nothing to fall back to); the
+    options that would change the output but are not implemented are refused unless they
+    hold vLLM's default: `disable_any_whitespace`, `disable_additional_properties`,
+    `whitespace_pattern`, `structural_tag`.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: SkipJsonSchema[Any] = None
+    disable_additional_properties: SkipJsonSchema[Any] = None
+    whitespace_pattern: SkipJsonSchema[Any] = None
+    structural_tag: SkipJsonSchema[Any] = None
+
+    @field_validator("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "structural_tag")
+    @classmethod
+    def _not_implemented(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value is not False:
+            raise ValueError(f"structured_outputs.{info.field_name} is not supported by this server")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = self.constraint_keys()
+        if len(given) != 1:
+            found = f"got {', '.join(given)}" if given else "got none"
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)} "
+                             f"(json_object: true); {found}")
+        return self
+
+    def constraint_keys(self) -> list[str]:
+        values = (self.json_, self.regex, self.choice, self.grammar, self.json_object or None)
+        return [key for key, value in zip(STRUCTURED_OUTPUT_KEYS, values) if value is not None]
+
+
+_SPEC_BUILDERS = {
+    "json": StructuredOutputSpec.json_schema,
+    "json_object": lambda _value, param: StructuredOutputSpec.json_object(param),
+    "regex": StructuredOutputSpec.regex,
+    "choice": StructuredOutputSpec.choice,
+    "grammar": StructuredOutputSpec.grammar,
+}
+_GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                  ("guided_grammar", "grammar"))
+
+
+def structured_output_spec(req: "SamplingRequest") -> StructuredOutputSpec | None:
+    """The engine's spec for what `req` asks its output to match, or None.
+
+    Sources: `response_format` (json_object / json_schema; "text" is no constraint),
+    `structured_outputs` (vLLM), and the older top-level `guided_json`, `guided_regex`,
+    `guided_choice`, `guided_grammar`. At most one may constrain a request. The spec's
+    `param` is the field it came from, for errors raised later (compilation).
+
+    Raises InvalidRequestError (400, `param` named) for two constraints, or for one the
+    spec refuses (a `guided_json` string that is not JSON, an empty regex, ...). Request
+    validation already calls it, so on a parsed request it raises nothing.
+    """
+    found: list[tuple[str, str, Any]] = []  # (field, spec kind, value)
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", "json_object", None))
+    elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+        found.append(("response_format", "json", rf.json_schema.schema_))
+    so = req.structured_outputs
+    if so is not None:
+        key = so.constraint_keys()[0]  # exactly one: StructuredOutputs checks it
+        found.append(("structured_outputs", key, so.json_ if key == "json" else getattr(so, key)))
+    for field, kind in _GUIDED_FIELDS:
+        value = getattr(req, field)
+        if value is not None:
+            found.append((field, kind, value))
+    if not found:
+        return None
+    if len(found) > 1:
+        first, second = found[0][0], found[1][0]
+        raise InvalidRequestError(
+            f"a request takes at most one output constraint; this one has both {first} and {second}", param=second
+        )
+    field, kind, value = found[0]
+    try:
+        return _SPEC_BUILDERS[kind](value, field)
+    except GrammarError as e:
+        raise InvalidRequestError(str(e), param=e.param or field) from e
+
+
 # ---- requests ----------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
 class SamplingRequest(_Request):
-    """The sampling and stopping fields completions and chat share (OpenAI + vLLM names)."""
+    """The fields completions and chat share (OpenAI + vLLM names).
+
+    Accepted no-ops - OpenAI fields that cannot change what a local model generates, so
+    they are validated and then unused: `user`, `store` (nothing is stored), `metadata`,
+    `service_tier` (one tier), `reasoning_effort` and `verbosity` (the model has no
+    reasoning or verbosity control), `prompt_cache_key` and `prompt_cache_retention` (the
+    prefix cache is automatic, keyed by content and `cache_salt`), `safety_identifier`,
+    `modalities` (only `["text"]`), `guided_decoding_backend` (one backend).
+    Refused when used: `REFUSED_FIELDS` (400 naming the field).
+    """
+
+    REFUSED_FIELDS: ClassVar[Mapping[str, Refusal]] = REFUSED_COMMON
 
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -67,13 +339,39 @@ class SamplingRequest(_Request):
     logit_bias: Annotated[dict[str, BiasValue], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_LEN)
     """vLLM's name: requests reuse each other's cached prompt blocks only when their salts match."""
+
+    # What the output must match (see structured_output_spec).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["auto", "guidance", "llguidance"] | None = None
+
+    # Accepted no-ops (see the class docstring).
+    user: str | None = None
+    store: bool | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA_PAIRS)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        _refuse_fields(data, cls.REFUSED_FIELDS)
+        return data
 
     @field_validator("stream_options")
     @classmethod
@@ -82,6 +380,32 @@ class SamplingRequest(_Request):
         if stream_options is not None and not info.data.get("stream"):
             raise ValueError("stream_options can only be set when stream is true")
         return stream_options
+
+    # Before the types: the messages say why, and name the whole field.
+    @field_validator("guided_decoding_backend", mode="before")
+    @classmethod
+    def _known_backend(cls, backend: Any) -> Any:
+        if backend is not None and backend not in GUIDED_DECODING_BACKENDS:
+            raise ValueError(
+                f"guided_decoding_backend must be one of {', '.join(GUIDED_DECODING_BACKENDS)} (this server's only "
+                f"backend is llguidance), got {backend!r}"
+            )
+        return backend
+
+    @field_validator("modalities", mode="before")
+    @classmethod
+    def _text_only(cls, modalities: Any) -> Any:
+        if modalities is not None and modalities != ["text"]:
+            raise ValueError(f'modalities: this model generates text only; the one accepted value is ["text"], '
+                             f"got {modalities!r}")
+        return modalities
+
+    @model_validator(mode="after")
+    def _one_output_constraint(self) -> "SamplingRequest":
+        # Builds the spec once to check it (two constraints, a schema that is not JSON);
+        # raises InvalidRequestError with its param, which pydantic passes through.
+        structured_output_spec(self)
+        return self
 
     @property
     def stop_list(self) -> list[str]:
@@ -98,11 +422,17 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingRequest):
+    """POST /v1/completions. `best_of`: that many samples per prompt, the `n` with the
+    highest cumulative logprob returned (server/serving_completion.py); not with `stream`."""
+
+    REFUSED_FIELDS: ClassVar[Mapping[str, Refusal]] = {**REFUSED_COMMON, **REFUSED_COMPLETION_ONLY}
+
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -136,6 +466,19 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported")
         return suffix
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n")
+        if best_of is None or n is None:  # n missing: it failed its own validation
+            return best_of
+        if best_of < n:
+            raise ValueError(f"best_of must be >= n ({n}), got {best_of}")
+        if best_of > n and info.data.get("stream"):
+            # As OpenAI: the best samples are known only once all of them have finished.
+            raise ValueError("best_of cannot be used with stream (the best samples are known only at the end)")
+        return best_of
+
     @property
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list: one entry per prompt, a string or token ids."""
@@ -144,50 +487,237 @@ class CompletionRequest(SamplingRequest):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
+    @property
+    def samples_per_prompt(self) -> int:
+        """How many samples the engine runs per prompt: best_of when given, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
 
 def _is_token_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
+# ---- chat messages ----------------------------------------------------------------------------
 class ContentPart(_Request):
+    """One part of a message's content. Only text is taken (`_check_messages` refuses the
+    rest with the message's index); an assistant's `refusal` part counts as its text.
+    Published as a text part, the one every role takes."""
+
+    model_config = ConfigDict(json_schema_extra=lambda schema: schema.update({
+        "properties": {"type": {"const": "text", "type": "string"}, "text": {"type": "string"}},
+        "required": ["type", "text"],
+    }))
+
     type: str
     text: str | None = None
+    refusal: str | None = None
 
-    @model_validator(mode="after")
-    def _text_only(self) -> "ContentPart":
-        if self.type != "text":
-            raise ValueError(f"content part type {self.type!r} is not supported (only 'text')")
-        if self.text is None:
-            raise ValueError("a text content part needs 'text'")
-        return self
+
+class FunctionCall(_Request):
+    """A call the assistant made: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+def _message_schema(schema: dict[str, Any]) -> None:
+    """Publish, per role, what `_check_messages` lets a message carry (clients, API tools
+    and the fuzz test read /openapi.json)."""
+    props = schema["properties"]
+    text = {"anyOf": [s for s in props["content"]["anyOf"] if s.get("type") != "null"]}
+
+    def shape(roles: list[str], fields: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+        return {"type": "object", "properties": {"role": {"enum": roles, "type": "string"}, **fields},
+                "required": ["role", *required]}
+
+    name = {"type": "string", "minLength": 1}
+    schema.pop("properties")
+    schema.pop("required", None)
+    schema["anyOf"] = [
+        shape(["system", "developer", "user"], {"content": props["content"], "name": props["name"]}),
+        shape(["assistant"], {k: props[k] for k in ("content", "name", "tool_calls", "function_call", "refusal")}),
+        shape(["tool"], {"content": text, "tool_call_id": name, "name": props["name"]}, ("content", "tool_call_id")),
+        shape(["function"], {"content": props["content"], "name": name}, ("name",)),
+    ]
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    """One message. Beyond plain text: an assistant's `tool_calls` (its content may then be
+    null), `tool` messages answering them (`tool_call_id`), and the legacy `function_call`
+    / `function` messages. Checked as a list by `_check_messages`."""
+
+    model_config = ConfigDict(json_schema_extra=_message_schema)
+
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    function_call: FunctionCall | None = None
+    refusal: str | None = None
+    """An assistant's refusal (OpenAI): stands for its text when `content` is null."""
+    audio: SkipJsonSchema[Any] = None
+    """A previous audio answer: refused (text only)."""
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         # vLLM's "string" content format: text parts joined by newlines.
-        return "\n".join(part.text or "" for part in self.content)
+        return "\n".join((part.text if part.type == "text" else part.refusal) or "" for part in self.content)
 
-    def for_template(self) -> dict[str, str]:
-        # Templates know system/user/assistant; "developer" is OpenAI's new name for system.
-        role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": self.text()}
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: role, content (text), and where present
+        `name`, `tool_calls` (`[{"id", "type": "function", "function": {"name",
+        "arguments"}}]`, arguments as the JSON text the client sent) and `tool_call_id`.
+
+        "developer" (OpenAI's new name for system) becomes "system"; the legacy function
+        calling becomes tool history: an assistant's `function_call` is a one-entry
+        `tool_calls` (without an id) and a "function" message is a "tool" message.
+        """
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        message: dict[str, Any] = {"role": role, "content": self.text()}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in self.tool_calls
+            ]
+        elif self.function_call is not None:
+            fc = self.function_call
+            message["tool_calls"] = [{"type": "function", "function": {"name": fc.name, "arguments": fc.arguments}}]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+def _check_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """What a single message's fields cannot say: which role may carry what, and text-only
+    content. Errors name `messages` and say which message (and part)."""
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if m.audio is not None:
+            raise ValueError(f"{where}: audio is not supported: this model takes text only")
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type == "text":
+                    if part.text is None:
+                        raise ValueError(f"{where}.content[{j}]: a text content part needs 'text'")
+                elif part.type == "refusal" and m.role == "assistant":
+                    if part.refusal is None:
+                        raise ValueError(f"{where}.content[{j}]: a refusal content part needs 'refusal'")
+                else:
+                    raise ValueError(
+                        f"{where}.content[{j}]: content parts of type {part.type!r} are not supported: this model "
+                        "takes text only (parts of type 'text')"
+                    )
+        if m.role != "assistant":
+            for field in ("tool_calls", "function_call", "refusal"):
+                if getattr(m, field) is not None:
+                    raise ValueError(f"{where}: only assistant messages have {field} (this one is {m.role!r})")
+        elif m.tool_calls is not None and m.function_call is not None:
+            raise ValueError(f"{where}: give tool_calls or the deprecated function_call, not both")
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise ValueError(f"{where}: a 'tool' message needs 'tool_call_id' (the id of the tool call it answers)")
+            if m.content is None:
+                raise ValueError(f"{where}: a 'tool' message needs content (the tool's result)")
+        elif m.tool_call_id is not None:
+            raise ValueError(f"{where}: only 'tool' messages have tool_call_id (this one is {m.role!r})")
+        if m.role == "function" and not m.name:
+            raise ValueError(f"{where}: a 'function' message needs 'name' (the function whose result it is)")
+    return messages
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1), AfterValidator(_check_messages)]
+
+
+# ---- tools ------------------------------------------------------------------------------------
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments (an object); none: the function takes no arguments."""
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    """A tool the model may call: only OpenAI's "function" tools."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """`{"type": "function", "function": {"name": ...}}`: the model must call this tool."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoiceMode = Literal["none", "auto", "required"]
+
+
+def _refuse_non_function_types(value: Any, field: str) -> Any:
+    """400 naming `field` for an entry whose type is not "function" (custom tools, web
+    search, allowed_tools, ...): the models would say only "should be 'function'"."""
+    for i, item in enumerate(value if isinstance(value, list) else [value]):
+        if isinstance(item, dict) and item.get("type") != "function":
+            where = f"{field}[{i}]" if isinstance(value, list) else field
+            raise ValueError(f"{where} has type {item.get('type')!r}; only type 'function' is supported")
+    return value
+
+
+def _unique_names(functions: list[FunctionDefinition], field: str) -> None:
+    seen: dict[str, int] = {}
+    for i, f in enumerate(functions):
+        if f.name in seen:
+            raise ValueError(f"{field}[{i}] repeats the name {f.name!r} of {field}[{seen[f.name]}]")
+        seen[f.name] = i
+
+
+def _check_choice(choice: Any, names: list[str], field: str) -> None:
+    """`choice` (a mode, or a named function) against the request's tool names."""
+    if choice is None or choice in ("none", "auto"):
+        return
+    if choice == "required":
+        if not names:
+            raise ValueError(f"{field} 'required' needs tools to choose from; the request has none")
+        return
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
+    if not names:
+        raise ValueError(f"{field} names the function {name!r}, but the request has no tools")
+    if name not in names:
+        shown = ", ".join(repr(n) for n in names[:10]) + (", ..." if len(names) > 10 else "")
+        raise ValueError(f"{field} names the function {name!r}, which is not among the tools ({shown})")
 
 
 class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions.
+
+    Tools: `tools` (function tools) or the deprecated `functions`, and `tool_choice` or the
+    deprecated `function_call`; `effective_tools`, `effective_tool_choice` and
+    `effective_parallel_tool_calls` give the one view of both spellings. A `tool_choice`
+    that names a function not among the tools, or "required" without tools, is refused.
+    """
+
+    REFUSED_FIELDS: ClassVar[Mapping[str, Refusal]] = {**REFUSED_COMMON, **REFUSED_CHAT_ONLY}
+
     messages: Messages
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -195,6 +725,12 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Tools, in this order: each validator sees the fields above it in `info.data`.
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    functions: Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoiceMode | NamedToolChoice | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
 
     # Field validators (not a model validator) so that the error names its field; fields
     # validate in declaration order, so `info.data` already holds the ones above.
@@ -212,9 +748,102 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("continue_final_message needs add_generation_prompt to be false")
         return continue_final_message
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, tools: Any) -> Any:
+        return _refuse_non_function_types(tools, "tools")
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        if tools:
+            _unique_names([t.function for t in tools], "tools")
+        return tools
+
+    @field_validator("functions")
+    @classmethod
+    def _tools_or_functions(cls, functions: list[FunctionDefinition] | None, info: ValidationInfo) -> Any:
+        if functions is not None and info.data.get("tools") is not None:
+            raise ValueError("give tools or the deprecated functions, not both")
+        if functions:
+            _unique_names(functions, "functions")
+        return functions
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _function_choice_only(cls, tool_choice: Any) -> Any:
+        return _refuse_non_function_types(tool_choice, "tool_choice")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, tool_choice: Any, info: ValidationInfo) -> Any:
+        if _tools_valid(info.data):
+            _check_choice(tool_choice, _tool_names(info.data), "tool_choice")
+        return tool_choice
+
+    @field_validator("function_call")
+    @classmethod
+    def _function_call_among_tools(cls, function_call: Any, info: ValidationInfo) -> Any:
+        if function_call is not None and info.data.get("tool_choice") is not None:
+            raise ValueError("give tool_choice or the deprecated function_call, not both")
+        if _tools_valid(info.data):
+            _check_choice(function_call, _tool_names(info.data), "function_call")
+        return function_call
+
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def effective_tools(self) -> list[Tool] | None:
+        """`tools`, or the deprecated `functions` as function tools; None when there are none."""
+        if self.tools:
+            return list(self.tools)
+        if self.functions:
+            return [Tool(type="function", function=f) for f in self.functions]
+        return None
+
+    @property
+    def effective_tool_choice(self) -> ToolChoiceMode | NamedToolChoice:
+        """"none", "auto", "required" or the named function the model must call, from
+        `tool_choice` or the deprecated `function_call`. As OpenAI, the default is "auto"
+        with tools; without tools it is always "none"."""
+        if not self.effective_tools:
+            return "none"
+        choice: Any = self.tool_choice
+        if choice is None and self.function_call is not None:
+            fc = self.function_call
+            choice = fc if isinstance(fc, str) else NamedToolChoice(type="function", function=fc)
+        return "auto" if choice is None else choice
+
+    @property
+    def effective_parallel_tool_calls(self) -> bool:
+        """Whether the model may call several tools in one turn (OpenAI's default: yes)."""
+        return self.parallel_tool_calls is not False
+
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        """The effective tools as chat templates take them (`tools=` of apply_chat_template):
+        `[{"type": "function", "function": {"name", "description"?, "parameters"?}}]`."""
+        tools = self.effective_tools
+        if tools is None:
+            return None
+        return [
+            {"type": "function", "function": t.function.model_dump(exclude_none=True, exclude={"strict"})} for t in tools
+        ]
+
+
+def _tools_valid(data: dict[str, Any]) -> bool:
+    """Whether tools and functions passed validation (a failed field is missing from
+    `info.data`): otherwise a choice cannot be checked against them, and their own error
+    is the one to report."""
+    return "tools" in data and "functions" in data
+
+
+def _tool_names(data: dict[str, Any]) -> list[str]:
+    """The names of the tools (or functions) validated so far."""
+    tools = data.get("tools") or []
+    functions = data.get("functions") or []
+    return [t.function.name for t in tools] + [f.name for f in functions]
 
 
 class TokenizeRequest(_Request):
@@ -241,6 +870,52 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[TokenId]
+
+
+# ---- unknown fields: ignored, logged once per name -------------------------------------------------
+MAX_UNKNOWN_FIELDS_LOGGED = 256
+"""Distinct unknown field names logged per process; past it, clients inventing names
+cannot grow the log (or this set) any further."""
+_MAX_LOGGED_NAME_LEN = 80
+_logged_unknown: set[tuple[str, str]] = set()
+_logged_unknown_lock = threading.Lock()
+
+
+@functools.cache
+def known_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The top-level names `model` knows: its fields, their aliases, and its refused fields."""
+    names: set[str] = set(getattr(model, "REFUSED_FIELDS", {}))
+    for name, info in model.model_fields.items():
+        names.add(name)
+        for alias in (info.alias, info.validation_alias):
+            if isinstance(alias, str):
+                names.add(alias)
+    return frozenset(names)
+
+
+def unknown_fields(model: type[BaseModel], body: Mapping[str, Any]) -> list[str]:
+    """The keys of a request body that are neither fields of `model` nor refused by it."""
+    known = known_fields(model)
+    return [key for key in body if key not in known]
+
+
+def log_unknown_fields(model: type[BaseModel], body: Mapping[str, Any]) -> None:
+    """Warn once per (request model, field name) per process about fields nobody reads.
+
+    They are ignored (vLLM compatibility: clients send extensions of other servers), but
+    an operator should learn that a client expects something this server does not do.
+    """
+    for name in unknown_fields(model, body):
+        key = (model.__name__, name[:_MAX_LOGGED_NAME_LEN])
+        with _logged_unknown_lock:
+            if key in _logged_unknown or len(_logged_unknown) > MAX_UNKNOWN_FIELDS_LOGGED:
+                continue
+            _logged_unknown.add(key)
+            full = len(_logged_unknown) > MAX_UNKNOWN_FIELDS_LOGGED
+        if full:
+            logger.warning("%d unknown request field names logged; not logging any more", MAX_UNKNOWN_FIELDS_LOGGED)
+        else:
+            logger.warning("ignoring unknown request field %r (not an OpenAI or vLLM field)", key[1])
 
 
 # ---- the request body: strict JSON ------------------------------------------------------------
@@ -366,9 +1041,23 @@ class ChatChoiceLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+    """The arguments as JSON text (OpenAI's shape: a string, not an object)."""
+
+
+class ChatResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ChatResponseToolCall] | None = Field(None, exclude_if=lambda v: not v)
+    """The calls the model made (finish_reason "tool_calls"); left out of the JSON when none."""
 
 
 class ChatChoice(_Response):
@@ -390,8 +1079,9 @@ class ChatCompletionResponse(_Response):
 
 class ChatStreamChoice(_Response):
     index: int
-    delta: dict[str, str]
-    """`{"role": "assistant", "content": ""}` first, then `{"content": ...}`, `{}` last."""
+    delta: dict[str, Any]
+    """`{"role": "assistant", "content": ""}` first, then `{"content": ...}` or `{"tool_calls":
+    [{"index", "id"?, "type"?, "function": {"name"?, "arguments"}}]}`, `{}` last."""
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -32,6 +32,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine_core import ContextLengthExceeded
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarError, StructuredOutputSpec
 from server.config import ServerConfig
 from server.errors import (
     ClientDisconnectedError,
@@ -132,7 +133,12 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def parse_request(body: bytes, model: type[_M]) -> _M:
+    """The body as `model`: 400 naming the field for anything invalid or refused. Fields
+    `model` does not know are ignored (as vLLM), each name logged once per process."""
+    from server.protocol import log_unknown_fields
+
     obj = parse_json_object(body)
+    log_unknown_fields(model, obj)
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -260,6 +266,7 @@ class OpenAIServing:
         """Set on SIGTERM (server/shutdown.py): new requests get 503, /health too."""
         self.engine_death_logged = False
         self.tokenizers = TokenizerPool(engine.tokenizer, config.tokenizer_threads)
+        engine.set_grammar_compile_hook(metrics.on_grammar_compiled)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -313,7 +320,8 @@ class OpenAIServing:
             raise
 
     def sampling_params(
-        self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+        structured_output: StructuredOutputSpec | None = None,
     ) -> SamplingParams:
         if req.n > self.config.max_n:
             raise InvalidRequestError(f"n must be at most {self.config.max_n}, got {req.n}", param="n")
@@ -349,9 +357,22 @@ class OpenAIServing:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                structured_output=structured_output,
             )
         except ValueError as e:
             raise _params_error(e) from e
+
+    async def prepare_structured_output(self, spec: StructuredOutputSpec | None, kind: str | None = None) -> None:
+        """Compile the request's grammar (or find it compiled) before its stream starts: an
+        invalid one, or one past --grammar-compile-timeout, is a 400 naming its field. A
+        compile runs on the engine's compile threads, so it delays only this request."""
+        if spec is None:
+            return
+        try:
+            await self.engine.prepare_structured_output(spec, self.config.grammar_compile_timeout_s)
+        except GrammarError as e:
+            raise InvalidRequestError(str(e), param=e.param) from e
+        self.metrics.record_structured_request(kind or spec.kind)
 
     def fit_open_max_tokens(self, token_ids: list[int], params: SamplingParams, prompt_param: str) -> SamplingParams:
         """No max_tokens: run to the end of the context - or of the KV cache, when that

@@ -5,10 +5,20 @@ With `echo` the prompt's text goes in front of each choice's text; with `echo` a
 front of the generated ones - what perplexity / lm-eval clients send, usually with
 `max_tokens: 0`. Streamed, the echoed prompt and its logprobs go in each choice's first
 chunk.
+
+`best_of` (> n): each prompt runs `best_of` samples through the engine's usual `n` fan-out
+(sample j seeded `seed + j`, as for `n`), with the sampled tokens' logprobs asked for
+internally; the `n` with the highest cumulative logprob (the sum of each sampled token's
+own logprob) are returned, best first, with logprobs only when the request asked for
+them. Usage counts the completion tokens of all `best_of` samples (as OpenAI bills them).
+Not with `stream` (the best are known only at the end). `best_of` equal to `n` is plain `n`.
+`response_format` / `structured_outputs` / `guided_*` constrain every sample
+(`structured_output_spec`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from contextlib import aclosing
@@ -29,6 +39,7 @@ from server.protocol import (
     CompletionStreamResponse,
     completion_logprobs,
     echo_logprobs,
+    structured_output_spec,
 )
 from server.serving import (
     OpenAIServing,
@@ -69,8 +80,15 @@ class CompletionServing:
         if req.max_tokens == 0 and not req.echo:
             raise InvalidRequestError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
         prompt_logprobs = req.logprobs if req.echo else None
-        params = serving.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
-        admission = serving.admit(len(req.prompts) * req.n)
+        spec = structured_output_spec(req)
+        params = serving.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs, structured_output=spec)
+        samples = req.samples_per_prompt
+        if samples > req.n:
+            self._check_best_of(req, samples)
+            # best_of: every sample's own token logprobs rank it (the first entry of each dict).
+            params = dataclasses.replace(params, n=samples, logprobs=req.logprobs or 0)
+        await serving.prepare_structured_output(spec)
+        admission = serving.admit(len(req.prompts) * samples)
         prompts = await serving.tokenize(admission, self._tokenize, req.prompts, req.echo, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -79,22 +97,23 @@ class CompletionServing:
             events = self._stream(req, request_id, created, prompts, stream)
             return sse_response(serving.sse_events(events), admission)
         try:
-            finals, results = await serving.until_disconnected(request, serving.collect(stream, len(prompts), req.n))
+            finals, results = await serving.until_disconnected(request, serving.collect(stream, len(prompts), samples))
         finally:
             admission.release_all()
         hidden_ids = serving.hidden_ids(req)
         choices = []
-        num_completion_tokens = 0
+        # Every sample run is billed, the ones best_of drops too.
+        num_completion_tokens = sum(len(c.token_ids) for outputs in finals for c in outputs)
         for i, prompt in enumerate(prompts):
-            for c in finals[i]:
-                num_completion_tokens += len(c.token_ids)
+            outputs = _best(finals[i], req.n) if samples > req.n else finals[i]
+            for rank, c in enumerate(outputs):
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs, offset = _echoed_logprobs(prompt, results[i]) if req.echo else (None, 0)
                     logprobs, _ = completion_logprobs(c.logprobs or [], offset, hidden_ids, into=logprobs)
                 choices.append(
                     CompletionChoice(
-                        index=i * req.n + c.index,
+                        index=i * req.n + rank,
                         text=(prompt.text or "") + c.text if req.echo else c.text,
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
@@ -106,6 +125,19 @@ class CompletionServing:
             usage=serving.usage(prompts, results, num_completion_tokens),
         )
         return json_response(response)
+
+    def _check_best_of(self, req: CompletionRequest, best_of: int) -> None:
+        """The server's limits, named as best_of (they would otherwise blame n)."""
+        max_n = self.serving.config.max_n
+        if best_of > max_n:
+            raise InvalidRequestError(f"best_of must be at most {max_n}, got {best_of}", param="best_of")
+        limit = self.serving.engine.max_waiting_requests
+        if len(req.prompts) * best_of > limit:
+            raise InvalidRequestError(
+                f"the request asks for {len(req.prompts) * best_of} samples (prompts x best_of) but this server queues "
+                f"at most {limit}",
+                param="best_of",
+            )
 
     def _tokenize(self, tokenizer: Any, raw: list[str | list[int]], echo: bool, params: SamplingParams) -> list[PromptInput]:
         serving = self.serving
@@ -191,6 +223,17 @@ class CompletionServing:
                     usage=serving.usage(prompts, results, sum(c.num_tokens for c in choices)),
                 )
             )
+
+
+def cumulative_logprob(c: CompletionOutput) -> float:
+    """The sum of the logprobs of the tokens `c` sampled (each dict's first entry)."""
+    entries = (c.logprobs or [])[: len(c.token_ids)]
+    return sum(next(iter(entry.values())).logprob for entry in entries)
+
+
+def _best(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The `n` samples with the highest cumulative logprob, best first (ties: lower index)."""
+    return sorted(outputs, key=cumulative_logprob, reverse=True)[:n]
 
 
 def _echoed_logprobs(prompt: PromptInput, result: PromptResult) -> tuple[CompletionLogprobs, int]:
