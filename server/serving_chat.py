@@ -5,7 +5,7 @@ Structured outputs: `response_format` / `structured_outputs` / `guided_*` become
 grammar (server/protocol.py: `structured_output_spec`), compiled before the stream starts.
 
 Tools: the tools reach the prompt through the chat template when it has a tools branch,
-otherwise through a Hermes-style system block (server/tool_calls.py), and the tool history
+otherwise through a Hermes-style system block (server/tools/), and the tool history
 (assistant `tool_calls`, `tool` messages) is rendered the same way. The reply is read by
 the `--tool-call-parser` into `message.tool_calls` (finish_reason "tool_calls"); streamed,
 each call's id and name go out first, then its argument fragments. tool_choice "required"
@@ -53,7 +53,7 @@ from server.serving import (
     sse_event,
     sse_response,
 )
-from server.tool_calls import (
+from server.tools import (
     ContentDelta,
     ParsedToolCalls,
     ToolCallDelta,

@@ -1,4 +1,4 @@
-"""Unit tests of server/tool_calls.py: prompt rendering, parsers (whole and streamed), grammars.
+"""Unit tests of server/tools/: prompt rendering, parsers (whole and streamed), grammars.
 
 No model forward passes; the bundled model's tokenizer is loaded once for the chat template
 and for llguidance.
@@ -15,7 +15,7 @@ import llguidance
 import pytest
 from transformers import AutoTokenizer
 
-from server.tool_calls import (
+from server.tools import (
     DEFAULT_TOOL_PARSER,
     END,
     PART,

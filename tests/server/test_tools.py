@@ -93,12 +93,13 @@ def test_auto_answers_with_text_or_parsed_calls(client, model_name):
 def test_strict_tool_under_auto_is_constrained_once_called(client, model_name):
     strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
     messages = [{"role": "user", "content": "Call get_weather for Paris."}]
-    for seed in range(3):
-        r = client.chat.completions.create(
-            model=model_name, messages=messages, tools=[strict], max_tokens=120, temperature=1.0, seed=seed)
-        choice = r.choices[0]
-        if choice.finish_reason == "tool_calls":
-            _assert_valid_calls(choice.message)
+    r = client.chat.completions.create(
+        model=model_name, messages=messages, tools=[strict], max_tokens=80, temperature=1.0, seed=0, n=2)
+    for choice in r.choices:
+        if choice.message.tool_calls:  # free text is allowed; a call, once started, is constrained
+            complete = choice.message.tool_calls if choice.finish_reason == "tool_calls" else choice.message.tool_calls[:-1]
+            for call in complete:
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
 def test_none_leaves_tools_out(client, model_name):

@@ -1,24 +1,14 @@
-"""OpenAI-style tool calling for /v1/chat/completions: prompts, output parsers, grammars.
+"""Tool-call parsers: model text -> content + tool calls, whole or streamed.
 
-Pure logic on plain dicts (the OpenAI request shapes, already validated); the server wires
-it in. Three parts:
+`TOOL_PARSERS` / `get_tool_parser` name the formats. A parser reads the text whole
+(`parse`) or streamed (`streaming()`). `parse` is the stream run over the whole text, so
+the two agree for any split of the text into deltas. A call is judged once its
+`{"name": "..."` has been read: before that, text that is not a call stays content
+(nothing is lost); after it, the call stands with its arguments exactly as written
+(possibly cut short by max_tokens), because streamed deltas cannot be taken back.
 
-- Prompt rendering: `prepare_conversation` gives what to pass to
-  `tokenizer.apply_chat_template(conversation, tools=...)`. A template with a tools branch
-  gets the tools and the tool history in Hugging Face's format; any other template (the
-  bundled SmolLM2 one is plain ChatML) gets a Hermes-style system block
-  (`DEFAULT_TOOL_SYSTEM_PROMPT`) and the history written out as `<tool_call>` /
-  `<tool_response>` text.
-- Parsers (`TOOL_PARSERS`, `get_tool_parser`): model text -> content + tool calls, whole
-  (`parse`) or streamed (`streaming()`). `parse` is the stream run over the whole text, so
-  the two agree for any split of the text into deltas. A call is judged once its
-  `{"name": "..."` has been read: before that, text that is not a call stays content
-  (nothing is lost); after it, the call stands with its arguments exactly as written
-  (possibly cut short by max_tokens), because streamed deltas cannot be taken back.
-- Grammars (`tool_call_grammar`): llguidance Lark grammars that force valid calls for
-  tool_choice "required" or a named function, and for "auto" when a tool is `strict`: free
-  text whose calls are constrained from the moment the model writes `<tool_call>` (a lazy
-  lexeme ends the free text at the trigger; llguidance docs/syntax.md, "Tool calling").
+Each parser class also gives the Lark rules of its format (`grammar`), which
+server/tools/grammar.py fills with the JSON schema of the calls.
 """
 
 from __future__ import annotations
@@ -27,7 +17,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Collection
+from typing import Callable, ClassVar, Collection
 
 IdFactory = Callable[[], str]
 
@@ -35,142 +25,6 @@ IdFactory = Callable[[], str]
 def new_tool_call_id() -> str:
     """A fresh OpenAI-style tool call id."""
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-# ---------------------------------------------------------------------------------------
-# Prompt rendering
-
-TOOLS_PLACEHOLDER = "{tools}"
-
-# Short sentences and one literal example: a 135M model copies formats better than it
-# follows abstract rules. Tool calls in the history are written in exactly this form.
-DEFAULT_TOOL_SYSTEM_PROMPT = """You can call functions (tools) to help the user.
-The tools are listed inside <tools></tools>, one JSON object per line:
-<tools>
-{tools}
-</tools>
-
-To call a tool, write its name and its arguments as JSON inside <tool_call></tool_call>, like this:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call>
-Write one <tool_call> block for each call. Use only the tools listed above and give every required argument.
-Tool results come back inside <tool_response></tool_response>; use them to answer.
-If no tool is needed, answer the user directly."""
-
-
-def template_supports_tools(chat_template: str | None) -> bool:
-    """Whether a Jinja chat template renders tools itself (its source uses `tools`)."""
-    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
-
-
-def prepare_conversation(
-    messages: list[dict], tools: list[dict] | None, supports_tools: bool
-) -> tuple[list[dict], list[dict] | None]:
-    """The conversation and `tools` argument for `tokenizer.apply_chat_template`.
-
-    Without tools and without tool history the messages come back unchanged.
-    """
-    has_tool_history = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
-    if not tools and not has_tool_history:
-        return messages, None
-    if supports_tools:
-        return [_hf_message(m) for m in messages], (list(tools) if tools else None)
-    conversation = _hermes_history(messages)
-    if tools:
-        conversation = _with_tool_system_prompt(conversation, tools)
-    return conversation, None
-
-
-def tool_system_prompt(tools: list[dict]) -> str:
-    """`DEFAULT_TOOL_SYSTEM_PROMPT` with the tools filled in, one JSON line each."""
-    lines = [json.dumps(_without_none(tool), ensure_ascii=False) for tool in tools]
-    return DEFAULT_TOOL_SYSTEM_PROMPT.replace(TOOLS_PLACEHOLDER, "\n".join(lines))
-
-
-def _without_none(tool: dict) -> dict:
-    # Pydantic dumps unset fields as null; they cost prompt tokens and say nothing.
-    function = {k: v for k, v in (tool.get("function") or {}).items() if v is not None}
-    return {**{k: v for k, v in tool.items() if v is not None}, "function": function}
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part.get("text") or "" for part in content)  # content parts
-
-
-def _hf_message(message: dict) -> dict:
-    if message.get("role") == "tool":
-        return {"role": "tool", "content": _text(message.get("content")),
-                "tool_call_id": message.get("tool_call_id")}
-    if not message.get("tool_calls"):
-        return message
-    calls = []
-    for call in message["tool_calls"]:
-        function = call.get("function") or {}
-        calls.append({"id": call.get("id"), "type": "function", "function": {
-            "name": function.get("name"), "arguments": _arguments_dict(function.get("arguments"))}})
-    return {**message, "tool_calls": calls}
-
-
-def _arguments_dict(arguments: Any) -> Any:
-    # Hugging Face templates iterate or `tojson` a dict; a string that is not a JSON object
-    # is passed on as it is rather than dropped.
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            return arguments
-        return parsed if isinstance(parsed, dict) else arguments
-    return arguments
-
-
-def _hermes_history(messages: list[dict]) -> list[dict]:
-    conversation: list[dict] = []
-    merging_tool_responses = False
-    for message in messages:
-        role = message.get("role")
-        if role == "tool":
-            block = f"<tool_response>\n{_text(message.get('content'))}\n</tool_response>"
-            if merging_tool_responses:
-                conversation[-1]["content"] += "\n" + block
-            else:
-                conversation.append({"role": "user", "content": block})
-            merging_tool_responses = True
-            continue
-        merging_tool_responses = False
-        rendered = {k: v for k, v in message.items() if k != "tool_calls"}
-        parts = [_text(message.get("content"))] if message.get("content") else []
-        parts += [format_hermes_call(c["function"]["name"], c["function"].get("arguments"))
-                  for c in message.get("tool_calls") or []]
-        rendered["content"] = "\n".join(parts)
-        conversation.append(rendered)
-    return conversation
-
-
-def format_hermes_call(name: str, arguments: Any) -> str:
-    """One `<tool_call>` block, as the default prompt asks the model to write it."""
-    if isinstance(arguments, str):
-        try:
-            arguments_json = json.dumps(json.loads(arguments), ensure_ascii=False)
-        except ValueError:
-            arguments_json = json.dumps(arguments, ensure_ascii=False)
-    else:
-        arguments_json = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-    name_json = json.dumps(name, ensure_ascii=False)
-    return f'<tool_call>\n{{"name": {name_json}, "arguments": {arguments_json}}}\n</tool_call>'
-
-
-def _with_tool_system_prompt(conversation: list[dict], tools: list[dict]) -> list[dict]:
-    text = tool_system_prompt(tools)
-    if conversation and conversation[0].get("role") == "system":
-        existing = _text(conversation[0].get("content"))
-        merged = text + "\n\n" + existing if existing else text
-        return [{**conversation[0], "content": merged}, *conversation[1:]]
-    return [{"role": "system", "content": text}, *conversation]
 
 
 # ---------------------------------------------------------------------------------------
@@ -732,107 +586,3 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool parser {name!r}; available: {', '.join(sorted(TOOL_PARSERS))}")
     return TOOL_PARSERS[name]
-
-
-# ---------------------------------------------------------------------------------------
-# tool_choice and grammars
-
-def validate_tool_choice(tools: list[dict] | None, tool_choice: str | dict | None) -> None:
-    """Raises ValueError (-> 400, param "tool_choice") for a tool_choice that cannot apply."""
-    if tool_choice is None:
-        return
-    if not tools:
-        raise ValueError("tool_choice is only allowed when tools are specified")
-    if isinstance(tool_choice, str):
-        if tool_choice not in ("none", "auto", "required"):
-            raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a function, not {tool_choice!r}")
-        return
-    name = (tool_choice.get("function") or {}).get("name")
-    if tool_choice.get("type") != "function" or not name:
-        raise ValueError('tool_choice must look like {"type": "function", "function": {"name": ...}}')
-    names = [tool["function"]["name"] for tool in tools]
-    if name not in names:
-        raise ValueError(f"tool_choice names function {name!r}, which is not among the tools: {', '.join(names)}")
-
-
-# Compact JSON with the separators json.dumps writes (and the prompt shows): free
-# whitespace lets a small model spend its token budget on newlines.
-JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def tool_call_grammar(
-    tools: list[dict] | None,
-    tool_choice: str | dict | None,
-    parallel_tool_calls: bool,
-    parser_name: str,
-    special_tokens: Collection[str] = (),
-) -> str | None:
-    """An llguidance Lark grammar forcing valid calls in `parser_name`'s format, or None.
-
-    "required": one call (one or more, newline/`; `-separated, with parallel_tool_calls);
-    a named function: exactly one call of it; "auto" with a `strict` tool: free text that
-    may end in calls, constrained once a call starts; "none" or plain "auto": None.
-    `special_tokens`: tags (`<tool_call>`, `<|python_tag|>`) that are single special tokens
-    in the model's vocabulary, which a grammar must name as tokens, not as text.
-    """
-    parser = get_tool_parser(parser_name)
-    if not tools or tool_choice == "none":
-        return None
-    if isinstance(tool_choice, dict):
-        validate_tool_choice(tools, tool_choice)
-        chosen = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
-        return parser.grammar(_call_json(chosen, parser), False, False, special_tokens)
-    if tool_choice == "required":
-        return parser.grammar(_call_json(tools, parser), parallel_tool_calls, False, special_tokens)
-    if any((t.get("function") or {}).get("strict") for t in tools):
-        return parser.grammar(_call_json(tools, parser), parallel_tool_calls, True, special_tokens)
-    return None
-
-
-def _call_json(tools: list[dict], parser: type[ToolParser]) -> str:
-    """`%json` of one call of any of `tools`: name first, so streaming can emit it early."""
-    arguments_key = "parameters" if parser is Llama3JsonToolParser else "arguments"
-    definitions: dict[str, Any] = {}
-    calls = []
-    for i, tool in enumerate(tools):
-        parameters = tool["function"].get("parameters") or {"type": "object"}
-        calls.append({
-            "type": "object",
-            "properties": {"name": {"const": tool["function"]["name"]},
-                           arguments_key: _hoist_definitions(parameters, f"tool{i}", definitions)},
-            "required": ["name", arguments_key],
-            "additionalProperties": False,
-        })
-    schema: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
-    schema = {**schema, "x-guidance": JSON_FORMAT}
-    if definitions:
-        schema["$defs"] = definitions
-    return "%json " + json.dumps(schema, ensure_ascii=False)
-
-
-def _hoist_definitions(parameters: dict, prefix: str, definitions: dict) -> dict:
-    """`parameters` with its `$defs` moved to the root under `prefix`-ed names and its local
-    `$ref`s rewritten: once nested in the call schema, "#/$defs/X" would point elsewhere."""
-
-    def rewrite(node: Any) -> Any:
-        if isinstance(node, list):
-            return [rewrite(item) for item in node]
-        if not isinstance(node, dict):
-            return node
-        rewritten = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions") or node is not parameters}
-        ref = node.get("$ref")
-        if ref == "#":
-            rewritten["$ref"] = f"#/$defs/{prefix}"
-            definitions[prefix] = root
-        elif isinstance(ref, str):
-            for local in ("#/$defs/", "#/definitions/"):
-                if ref.startswith(local):
-                    rewritten["$ref"] = f"#/$defs/{prefix}_{ref[len(local):]}"
-        return rewritten
-
-    root: dict = {}
-    root.update(rewrite(parameters))
-    for key in ("definitions", "$defs"):
-        for name, schema in (parameters.get(key) or {}).items():
-            definitions[f"{prefix}_{name}"] = rewrite(schema)
-    return root
