@@ -1,4 +1,5 @@
-# The README's commands: `make serve` (set up + serve the default model), `make test`, `make bench`.
+# The README's commands: `make serve` (set up + serve the default model), `make test` (the full
+# suite; what .ci/run runs), `make test-fast` (the inner loop), `make bench`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ TORCH ?= torch==2.13.0
 TRITON ?= triton==3.6.0
 ARGS ?=
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,13 +32,19 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q $(ARGS)
 
+# Every test not marked `slow` (pyproject.toml): the unit tests of the engine, kernels,
+# quantization, load-test and server pieces, on a tiny random model; no test that loads the
+# real default model or starts a real server. Under 3 minutes on 2 CPU cores.
+test-fast: setup
+	$(PY) -m pytest -q -m 'not slow' $(ARGS)
+
 bench: setup
 	$(PY) -m loadtest.bench_offline $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
 
-# Serving benchmark (issue 7): concurrency 1/8/32/64 against pagoda and every local peer
+# Serving benchmark: concurrency 1/8/32/64 against pagoda and every local peer
 # (`transformers serve --continuous-batching`; llama-cpp-python's server when installed), the
 # same model files and prompts, one server at a time. Writes docs/BENCHMARKS-serving.md (the
 # table and the exact command), docs/serving-*.png and docs/bench-serving.json. ~5 min on
@@ -53,7 +60,7 @@ bench-serve: setup $(VENV)/.installed-bench
 		--out .cache/bench-serve --markdown docs/BENCHMARKS-serving.md --json docs/bench-serving.json \
 		--plots-dir docs --plot-prefix serving- --progress plain $(ARGS)
 
-# The issue-7 stretch: batch-1 latency of pagoda's INT4 (--quantization int4) against
+# Batch-1 latency of pagoda's INT4 (--quantization int4) against
 # llama.cpp on the bundled model's own Q4_1 GGUF (and transformers serve), one load level.
 # llama.cpp is compared only when installed: .venv/bin/pip install 'llama-cpp-python[server]'
 # (builds llama.cpp from source, ~10 min on 2 cores). Writes docs/BENCHMARKS-serving-int4.md.

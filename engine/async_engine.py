@@ -95,8 +95,14 @@ class AsyncEngine:
         if self._build_error is not None:
             raise self._build_error
         self.config = config
+        # The model facts the server reads (it never reaches into `core`).
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
+        self.model_path = self.core.model_path
+        self.vocab_size = self.core.model.args.vocab_size
+        self.num_kv_blocks = self.core.num_blocks
+        self.facts = self.core.facts()
+        """What was loaded and how it runs (EngineCore.facts)."""
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_tokens = max_waiting_tokens
         self._inbox: queue.SimpleQueue[_Add | _Abort | BaseException | None] = queue.SimpleQueue()
@@ -166,6 +172,10 @@ class AsyncEngine:
                 f"the server is at its limit of {limit} queued prompt tokens "
                 f"({queued} queued, {num_prompt_tokens} more asked)"
             )
+
+    def set_step_hook(self, hook: Callable[[StepStats], None] | None) -> None:
+        """`hook(stats)` after every step and abort, on the engine thread (the server's metrics)."""
+        self.core.on_step = hook
 
     def set_grammar_compile_hook(self, hook: Callable[[str, float, BaseException | None], None] | None) -> None:
         """`hook(kind, seconds, error)` after every grammar compile (on a compile thread)."""

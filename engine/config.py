@@ -25,20 +25,24 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+DTYPES = ("auto", *_DTYPES)
+"""`--dtype` values: auto, the canonical names and their aliases."""
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+"""`--kernel-backend` values."""
 LOAD_FORMATS = ("auto", "dummy")
+"""`--load-format` values."""
 
 
 @dataclass(slots=True)
 class ModelConfig:
     model: str | None = None
-    """Hugging Face Llama-family folder (config.json, *.safetensors, tokenizer). None = the bundled default model."""
+    """Hugging Face Llama-family folder (config.json, *.safetensors, tokenizer); none: the bundled SmolLM2-135M-Instruct."""
     dtype: str = "auto"
-    """Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."""
+    """Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32 (float, fp32), float16 (half, fp16), bfloat16 (bf16)."""
     max_model_len: int | None = None
-    """Longest sequence (prompt + output) served; default: the model's max_position_embeddings."""
+    """Longest sequence (prompt + output) served; none: the model's max_position_embeddings (8192 for the bundled model)."""
     quantization: str | None = None
-    """Load-time RTN quantization of the decoder linears: int8 / int4 weight-only (per-channel / group 128), or w8a8 (int8 weights and per-token int8 activations); None = float."""
+    """Load-time RTN quantization of the decoder linears: int8 / int4 weight-only (per-channel / group 128), or w8a8 (int8 weights and per-token int8 activations); none: float, or what the folder's quantization_config says."""
     seed: int = 0
     """Seed of the global sampling generator (requests without their own seed)."""
     device: str = "auto"
@@ -48,7 +52,7 @@ class ModelConfig:
     enforce_eager: bool = False
     """Run every step eagerly: no CUDA graphs for decode steps (on CPU every step is eager anyway)."""
     max_cuda_graph_batch_size: int | None = None
-    """Largest decode batch replayed from a CUDA graph (default: min(max_num_seqs, 256)); larger decode batches run eagerly."""
+    """Largest decode batch replayed from a CUDA graph (none: min(max_num_seqs, 256)); larger decode batches run eagerly."""
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -82,7 +86,7 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV-cache block (a power of two, 1..128)."""
     kv_cache_memory: float | None = None
-    """KV-cache budget in GiB; default 2 GiB on CPU, on CUDA what --gpu-memory-utilization leaves after a profiling forward pass."""
+    """KV-cache budget in GiB; none: 2 GiB on CPU, on CUDA what --gpu-memory-utilization leaves after a profiling forward pass."""
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use (weights, activations, KV cache); the KV cache gets what a profiling forward pass at max_num_batched_tokens leaves. CUDA only; --kv-cache-memory overrides."""
     enable_prefix_caching: bool = True
@@ -108,7 +112,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one step (decodes + prefill chunks)."""
     long_prefill_token_threshold: int | None = None
-    """Longest prefill chunk of one request in one step; default: the whole budget."""
+    """Longest prefill chunk of one request in one step; none: the whole budget."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

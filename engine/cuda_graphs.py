@@ -27,14 +27,18 @@ from __future__ import annotations
 import bisect
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
-from engine.models.llama import LlamaForCausalLM, ModelArgs
+from engine.models.llama import ModelArgs
 from engine.scheduler import SchedulerOutput
 from kernels.ops import KernelOps
+
+if TYPE_CHECKING:
+    from engine.worker import Worker
 
 DEFAULT_MAX_BATCH_SIZE = 256
 
@@ -61,22 +65,13 @@ def graphs_unsupported_reason(ops: KernelOps, args: ModelArgs, tensor_parallel_s
 
 
 class DecodeGraphRunner:
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_manager: BlockManager,
-        ops: KernelOps,
-        device: torch.device,
-        batch_sizes: list[int],
-        max_model_len: int,
-        use_cuda_graphs: bool,
-    ) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
+    def __init__(self, worker: "Worker", block_manager: BlockManager, batch_sizes: list[int], use_cuda_graphs: bool) -> None:
+        self.model = model = worker.model
+        self.kv_caches = kv_caches = worker.kv_caches
         self.block_manager = block_manager
-        self.ops = ops
-        self.device = device
+        self.ops = worker.ops
+        self.device = device = worker.device
+        max_model_len = worker.max_model_len
         self.batch_sizes = batch_sizes
         self.max_batch_size = batch_sizes[-1]
         self.use_cuda_graphs = use_cuda_graphs
@@ -190,27 +185,22 @@ class DecodeGraphRunner:
 
 
 def build_decode_graph_runner(
-    model: LlamaForCausalLM,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    worker: "Worker",
     block_manager: BlockManager,
-    ops: KernelOps,
-    device: torch.device,
     max_num_seqs: int,
-    max_model_len: int,
     max_batch_size: int | None,
     tensor_parallel_size: int = 1,
     log: bool = True,
 ) -> DecodeGraphRunner | None:
     """The captured runner on CUDA, or None (with the reason logged) when this engine's
     forward pass cannot be captured."""
-    reason = graphs_unsupported_reason(ops, model.args, tensor_parallel_size)
+    reason = graphs_unsupported_reason(worker.ops, worker.args, tensor_parallel_size)
     if reason is not None:
         if log:
             print(f"[pagoda] CUDA graphs off: {reason}; decode steps run eagerly", file=sys.stderr, flush=True)
         return None
     runner = DecodeGraphRunner(
-        model, kv_caches, block_manager, ops, device, graph_batch_sizes(max_num_seqs, max_batch_size),
-        max_model_len, use_cuda_graphs=True,
+        worker, block_manager, graph_batch_sizes(max_num_seqs, max_batch_size), use_cuda_graphs=True
     )
     runner.capture(log)
     return runner

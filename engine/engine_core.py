@@ -16,22 +16,20 @@ from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cuda_graphs import build_decode_graph_runner
 from engine.default_model import resolve_model_path
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.executor import TensorParallelError, TensorParallelExecutor
-from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_bytes
-from engine.loader import load_model
-from engine.memory import profile_kv_cache_budget, take_snapshot
+from engine.loader import load_hf_config
 from engine.model_runner import ModelRunner
+from engine.models.llama import ModelArgs
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import GrammarBitmask, Sampler, TokenLogprobs, token_logprobs
+from engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import FinishedRequestStats, StepStats
-from engine.structured_output import GrammarError, default_manager
-from kernels.ops import get_ops
+from engine.structured_output import GrammarError, StepGrammars, default_manager
+from engine.worker import Worker
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -62,76 +60,46 @@ class EngineStats:
 
 
 class EngineCore:
+    """Rank 0's engine: a Worker (the model side), the block manager, scheduler, sampler and
+    structured-output manager, and the step that ties them together."""
+
     def __init__(self, config: EngineConfig, log: bool = True) -> None:
         self.config = config
-        mc = config.model
-        self.device = mc.torch_device
-        self.dtype = mc.torch_dtype
+        mc, cc = config.model, config.cache
         self.model_path = resolve_model_path(mc.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-
-        # Positions the RoPE table must cover come from the model until max_model_len is known.
-        from engine.loader import load_hf_config
-        from engine.models.llama import ModelArgs
-
-        args = ModelArgs.from_hf_config(load_hf_config(self.model_path))
-        self.max_model_len = mc.max_model_len or args.max_position_embeddings
-        if self.max_model_len > args.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{args.max_position_embeddings}"
-            )
-        cc, sc = config.cache, config.scheduler
-        # On one GPU without a fixed budget the KV cache is sized by profiling (engine/memory.py):
-        # note the device's memory before anything is loaded.
-        profiles_memory = (
-            self.device.type == "cuda" and cc.kv_cache_memory is None and cc.num_gpu_blocks_override is None
-            and config.parallel.tensor_parallel_size == 1
-        )
-        snapshot = take_snapshot(self.device) if profiles_memory else None
-        # Tensor parallelism: the worker ranks start here; rank 0 (this process) gets its shard.
+        # Tensor parallelism: the worker ranks start here; rank 0's Worker holds its shard.
         self.executor: TensorParallelExecutor | None = None
         if config.parallel.tensor_parallel_size > 1:
-            self.executor = TensorParallelExecutor(config, args, self.model_path, self.max_model_len)
+            args = ModelArgs.from_hf_config(load_hf_config(self.model_path))
+            self.executor = TensorParallelExecutor(config, args)
             self.executor.on_failure = self._fatal_error
-            self.model = self.executor.model
-        else:
-            self.model = load_model(
-                self.model_path, self.dtype, self.device, self.max_model_len, mc.quantization, mc.load_format
+        try:
+            self.worker = Worker(
+                config, self.model_path, self.executor.placement if self.executor is not None else None, log
             )
+        except BaseException:
+            if self.executor is not None:
+                self.executor.shutdown()
+            raise
         eos_ids = _eos_token_ids(self.model_path, self.tokenizer)
         self.eos_token_id = eos_ids[0] if eos_ids else None
         # Llama-3-style configs list several end tokens; the rest stop like stop_token_ids.
         self.extra_eos_token_ids = eos_ids[1:]
-
-        spec = KVCacheSpec.from_model(args, self.dtype, cc.block_size)
-        if self.executor is not None:
-            spec = self.executor.kv_cache_spec(spec)  # this rank's KV heads only
-        self.ops = get_ops(config.kernel.kernel_backend, self.device)
-        if cc.num_gpu_blocks_override is not None:
-            num_blocks = cc.num_gpu_blocks_override
-        elif snapshot is not None:
-            budget = profile_kv_cache_budget(
-                self.model, spec, self.ops, self.device, snapshot, sc.max_num_batched_tokens, sc.max_num_seqs,
-                cc.gpu_memory_utilization, log,
-            )
-            num_blocks = spec.num_blocks_for_budget(budget)
-        else:
-            num_blocks = spec.num_blocks_for_budget(kv_cache_budget_bytes(cc.kv_cache_memory, self.device))
-        if self.executor is not None:
-            num_blocks = self.executor.agree_num_blocks(num_blocks)
-        if num_blocks < 1:
-            raise ValueError(f"the KV-cache budget holds no block of {spec.bytes_per_block} bytes; raise --kv-cache-memory")
-        self.kv_spec = spec
-        self.num_blocks = num_blocks
-        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.block_manager = BlockManager(self.worker.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        # One block more than the block manager hands out: the pad block, where the padding
-        # rows of a decode batch replayed from a CUDA graph write (engine/cuda_graphs.py).
-        kv_caches = allocate_kv_cache(spec, num_blocks + 1, self.device)
-        self.runner = ModelRunner(self.model, kv_caches, self.block_manager, self.ops, self.device)
         if self.executor is not None:
-            self.runner.forward_step = self.executor.run_step
+            self.executor.worker = self.worker
+        self.runner = ModelRunner(
+            self.worker, self.block_manager,
+            forward_step=self.executor.run_step if self.executor is not None else None,
+            decode_graphs=self.worker.capture_decode_graphs(self.block_manager, log),
+        )
+        if log:
+            for name, value in self.facts().items():
+                print(f"[pagoda] {name}: {value}", file=sys.stderr, flush=True)
+            for fallback in self.worker.fallbacks():
+                print(f"[pagoda] fallback: {fallback}", file=sys.stderr, flush=True)
         self.sampler = Sampler(mc.seed)
         # Grammars compile on the manager's threads; the engine fills and applies masks.
         self.structured_output = default_manager(self.tokenizer, self.model.args.vocab_size, eos_ids)
@@ -150,20 +118,48 @@ class EngineCore:
         # Fault injection for tests: the N-th step (1-based) raises inside the forward pass.
         fault = os.environ.get("PAGODA_FAULT_AT_STEP")
         self._fault_at_step = int(fault) if fault else None  # block-manager counters already in StepStats
-        if log:
-            print(
-                f"[pagoda] model {self.model_path.name}: {args.num_hidden_layers} layers, "
-                f"{args.num_key_value_heads} KV heads x {args.head_dim}, {self.dtype}, {self.device}; "
-                f"KV cache: {spec.bytes_per_token} bytes/token, {num_blocks} blocks x {cc.block_size} tokens "
-                f"= {num_blocks * cc.block_size} tokens max ({num_blocks * spec.bytes_per_block / 2**30:.2f} GiB)",
-                file=sys.stderr,
-                flush=True,
-            )
-        if self.device.type == "cuda" and not mc.enforce_eager:
-            self.runner.decode_graphs = build_decode_graph_runner(
-                self.model, kv_caches, self.block_manager, self.ops, self.device, sc.max_num_seqs, self.max_model_len,
-                mc.max_cuda_graph_batch_size, config.parallel.tensor_parallel_size, log,
-            )
+
+    def facts(self) -> dict[str, str]:
+        """What runs: the Worker's facts plus the scheduler's and cache's settings (the
+        start-up log and the `pagoda:engine_info` metric)."""
+        sc, cc = self.config.scheduler, self.config.cache
+        return {
+            **self.worker.facts(),
+            "cuda_graphs": "on (decode)" if self.runner.decode_graphs is not None else "off (every step eager)",
+            "tensor_parallel_size": str(self.config.parallel.tensor_parallel_size),
+            "max_num_seqs": str(sc.max_num_seqs),
+            "max_num_batched_tokens": str(sc.max_num_batched_tokens),
+            "prefix_caching": "on" if cc.enable_prefix_caching else "off",
+        }
+
+    # ---- the model side's facts (read-only) ------------------------------------------------
+    @property
+    def model(self):
+        return self.worker.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.worker.dtype
+
+    @property
+    def ops(self):
+        return self.worker.ops
+
+    @property
+    def kv_spec(self):
+        return self.worker.kv_spec
+
+    @property
+    def num_blocks(self) -> int:
+        return self.worker.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.worker.max_model_len
 
     # ---- requests ------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -283,7 +279,7 @@ class EngineCore:
                 if self.runner.prompt_rows:
                     self._record_prompt_logprobs(logits[len(sampling):])
                     logits = logits[: len(sampling)]
-                sampled = self.sampler(logits, sampling, self._grammar_bitmask(sampling)) if sampling else None
+                sampled = self.sampler(logits, sampling, self._step_grammars(sampling)) if sampling else None
             outputs = failed_grammars + self._update(sched, sampling, sampled, stats)
         except TensorParallelError:
             raise  # the ranks are out of step: no later step can run
@@ -322,13 +318,12 @@ class EngineCore:
         self._grammar_waiting = still_waiting
         return outputs
 
-    def _grammar_bitmask(self, sampling: list[Request]) -> GrammarBitmask | None:
-        """The next-token masks of this step's grammar-constrained rows, filled in parallel."""
+    def _step_grammars(self, sampling: list[Request]) -> StepGrammars | None:
+        """This step's grammar-constrained sampling rows; None when there are none."""
         rows = [i for i, r in enumerate(sampling) if r.grammar is not None and r.max_tokens > 0]
         if not rows:
             return None
-        bitmask = self.structured_output.fill_bitmask([sampling[i].grammar.matcher for i in rows])
-        return GrammarBitmask(bitmask, rows)
+        return StepGrammars(self.structured_output, rows, [sampling[i].grammar.matcher for i in rows])
 
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> "StepFailedError":
         """A step raised: end its requests (the others are untouched) and keep the engine usable.

@@ -1,4 +1,6 @@
-"""One forward pass per step over every scheduled token of every request, flattened."""
+"""Rank 0's step preparation: every scheduled token of every request, flattened into one
+batch (input ids, positions, slot mapping, block tables, lengths), then one forward pass
+on the Worker (or, under tensor parallelism, on every rank at once)."""
 
 from __future__ import annotations
 
@@ -8,36 +10,38 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
-from engine.models.llama import LlamaForCausalLM, prepack_linears
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
-from kernels.ops import KernelOps
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphRunner
+    from engine.worker import Worker
+
+ForwardStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, "torch.Tensor | None"], torch.Tensor]
+"""(input_ids, positions, metadata, blocks_to_copy) -> logits: `Worker.forward`, or under
+tensor parallelism the executor's step, which hands the step to every rank first."""
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        worker: "Worker",
         block_manager: BlockManager,
-        ops: KernelOps,
-        device: torch.device,
+        forward_step: ForwardStep | None = None,
+        decode_graphs: "DecodeGraphRunner | None" = None,
     ) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
+        self.worker = worker
         self.block_manager = block_manager
-        self.ops = ops
-        self.device = device
-        prepack_linears(model)  # on CPU, oneDNN's weight layout: the fast GEMM/GEMV
+        self.device = worker.device
         self.block_size = block_manager.block_size
         self.prompt_rows: list[tuple[Request, int]] = []  # of the last prepared step
-        # Tensor parallelism swaps in a forward that first hands the step to the other ranks.
-        self.forward_step: Callable[..., torch.Tensor | None] = run_forward
-        # Pure decode steps replayed from CUDA graphs (set by EngineCore on CUDA); None = eager.
-        self.decode_graphs: DecodeGraphRunner | None = None
+        self.forward_step: ForwardStep = forward_step or worker.forward
+        # Pure decode steps replayed from CUDA graphs (on CUDA); None = every step eager.
+        self.decode_graphs = decode_graphs
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.worker.kv_caches
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.block_size
@@ -101,20 +105,4 @@ class ModelRunner:
             self.prompt_rows = []  # a decode computes no prompt position
             return self.decode_graphs.execute(sched, copies)
         input_ids, positions, meta = self.prepare(sched)
-        return self.forward_step(self.model, self.kv_caches, self.ops, input_ids, positions, meta, copies)
-
-
-def run_forward(
-    model: LlamaForCausalLM,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ops: KernelOps,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    meta: AttentionMetadata,
-    blocks_to_copy: torch.Tensor | None,  # [num_copies, 2] (src, dst), copied first (copy-on-write)
-) -> torch.Tensor | None:
-    """One prepared step's forward: what every tensor-parallel rank runs (None on ranks > 0)."""
-    if blocks_to_copy is not None:
-        ops.copy_blocks([k for k, _ in kv_caches], [v for _, v in kv_caches], blocks_to_copy)
-    hidden = model(input_ids, positions, kv_caches, meta, ops)
-    return model.compute_logits(hidden)
+        return self.forward_step(input_ids, positions, meta, copies)

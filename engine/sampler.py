@@ -16,6 +16,7 @@ tensors, never the other way, so on a GPU the host waits for the step once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,13 +31,18 @@ class TokenLogprobs:
     ranks: list[int]
 
 
-@dataclass(slots=True)
-class GrammarBitmask:
-    """The tokens each grammar-constrained row may sample (the others are unconstrained)."""
+class GrammarConstraint(Protocol):
+    """The step's grammar-constrained rows, as the sampler sees them (built by EngineCore)."""
 
-    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, CPU: bit t%32 of word t//32 = token t allowed
     rows: list[int]
-    """The sampler rows (indices into the step's sampling requests) the bitmask rows belong to."""
+    """Sampler rows (indices into the step's sampling requests) under a grammar."""
+
+    def allows(self, row: int, token_id: int) -> bool:
+        """Whether row `row`'s grammar allows `token_id` next (cheap: no full mask)."""
+
+    def bitmask(self, rows: list[int]) -> torch.Tensor:
+        """The allowed-token bitmask of `rows`: int32 CPU `[len(rows), ceil(vocab / 32)]`,
+        bit t % 32 of word t // 32 set = token t allowed."""
 
 
 @dataclass(slots=True)
@@ -53,7 +59,7 @@ class Sampler:
         self._device_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], grammar_bitmask: GrammarBitmask | None = None
+        self, logits: torch.Tensor, requests: list[Request], grammar: GrammarConstraint | None = None
     ) -> SamplerOutput:
         logits = logits.float()
         device = logits.device
@@ -61,16 +67,16 @@ class Sampler:
         want_logprobs = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[_on(device, want_logprobs)], dim=-1) if want_logprobs else None
 
-        if any(_needs_processing(r) for r in requests) or grammar_bitmask is not None:
-            raw_logits, logits = logits, logits.clone()
+        raw_logits = logits
+        if any(_needs_processing(r) for r in requests):
+            logits = logits.clone()
             for row, request in enumerate(requests):
                 if _needs_processing(request):
                     _apply_penalties_and_bias(logits[row], request)
-            if grammar_bitmask is not None:
-                apply_grammar_bitmask(logits, grammar_bitmask, raw_logits)
 
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        noise: dict[int, torch.Tensor] = {}
         if random_rows:
             rows = _on(device, random_rows)
             temps = _on(device, [requests[i].sampling_params.temperature for i in random_rows], logits.dtype)
@@ -78,6 +84,10 @@ class Sampler:
             probs = torch.softmax(sub, dim=-1)
             q = self._exponential_noise(probs, [requests[i] for i in random_rows])
             token_ids[rows] = probs.div_(q).argmax(dim=-1)
+            if grammar is not None:
+                noise = {row: q[j] for j, row in enumerate(random_rows)}
+        if grammar is not None:
+            self._constrain(token_ids, logits, raw_logits, requests, grammar, noise)
 
         pending = None
         if raw_logprobs is not None:
@@ -89,6 +99,49 @@ class Sampler:
             for i, lp in zip(want_logprobs, pending.to_host()):
                 logprobs[i] = lp
         return SamplerOutput(sampled, logprobs)
+
+    def _constrain(
+        self, token_ids: torch.Tensor, logits: torch.Tensor, raw_logits: torch.Tensor, requests: list[Request],
+        grammar: GrammarConstraint, noise: dict[int, torch.Tensor],
+    ) -> None:
+        """Resample the grammar-constrained rows whose token the grammar forbids, in place.
+
+        Masking can only remove candidates, so when the unmasked winner is allowed it is
+        also the masked winner: exactly for greedy rows, and for sampled rows without
+        top-k/top-p/min-p, whose exponential race with the same noise picks the same token
+        (renormalising the allowed probabilities scales them all alike). Only the other rows
+        - most steps of a JSON schema, ~10% - pay for a full bitmask (vLLM and llguidance
+        call this checking the argmax first). Filtered rows always mask first, since the
+        filters must see the masked distribution.
+        """
+        sampled = token_ids[_on(token_ids.device, grammar.rows)].tolist()
+        need = [
+            row for row, token in zip(grammar.rows, sampled)
+            if _has_filters(requests[row]) or not grammar.allows(row, token)
+        ]
+        if not need:
+            return
+        device = logits.device
+        rows = _on(device, need)
+        masked = apply_grammar_bitmask(logits[rows], grammar.bitmask(need))
+        reprocessed = [j for j, row in enumerate(need) if _needs_processing(requests[row])]
+        if reprocessed:
+            # min_tokens (or a -inf bias) may forbid the only token the grammar allows
+            # (end-of-sequence): then the grammar wins, over the unprocessed logits.
+            js = _on(device, reprocessed)
+            sub = masked[js]
+            fallback = apply_grammar_bitmask(raw_logits[rows[js]], grammar.bitmask([need[j] for j in reprocessed]))
+            masked[js] = torch.where(torch.isneginf(sub).all(dim=-1, keepdim=True), fallback, sub)
+        new_ids = masked.argmax(dim=-1)
+        random_js = [j for j, row in enumerate(need) if row in noise]
+        if random_js:
+            js = _on(device, random_js)
+            reqs = [requests[need[j]] for j in random_js]
+            temps = _on(device, [r.sampling_params.temperature for r in reqs], masked.dtype)
+            probs = torch.softmax(_filter(masked[js] / temps[:, None], reqs), dim=-1)
+            q = torch.stack([noise[need[j]] for j in random_js])
+            new_ids[js] = probs.div_(q).argmax(dim=-1)
+        token_ids[rows] = new_ids
 
     def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Exp(1) noise, a row per request: unseeded rows in one draw from this device's
@@ -223,32 +276,31 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits
 
 
-# _BYTE_BITS[b, j]: bit j of byte b. A little-endian int32 bitmask viewed as bytes has token
-# t at byte t // 8, bit t % 8, so one gather expands the bitmask to a bool per token.
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
-_device_byte_bits: dict[torch.device, torch.Tensor] = {}
+def _has_filters(request: Request) -> bool:
+    p = request.sampling_params
+    return not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, raw_logits: torch.Tensor) -> None:
-    """Set the logits of tokens a row's grammar forbids to -inf, in place.
+# _BYTE_PENALTY[b, j]: 0 where bit j of byte b is set, -inf where not. A little-endian int32
+# bitmask viewed as bytes has token t at byte t // 8, bit t % 8, so one gather turns the
+# bitmask into an additive mask, one value per token.
+_BYTE_PENALTY = torch.where(
+    ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf")
+)
+_device_penalties: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    A row left with nothing allowed (the grammar allows only end-of-sequence while
-    min_tokens forbids it) falls back to the grammar over `raw_logits` (before penalties
-    and bias): the grammar wins, so the output still parses. Tokens past the bitmask (a
-    model vocabulary padded beyond the tokenizer's) are forbidden.
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` [rows, vocab] with the tokens `bitmask` forbids at -inf (a new tensor).
+
+    Tokens past the bitmask (a model vocabulary padded beyond the tokenizer's) are forbidden.
     """
     device, vocab = logits.device, logits.shape[-1]
-    if device not in _device_byte_bits:
-        _device_byte_bits[device] = _BYTE_BITS.to(device)
-    bitmask = grammar.bitmask.to(device, non_blocking=True)
-    allowed = _device_byte_bits[device][bitmask.view(torch.uint8).long()].view(bitmask.shape[0], -1)
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    allowed = allowed[:, :vocab]
-    rows = _on(device, grammar.rows)
-    sub = logits[rows]
-    masked = sub.masked_fill(~allowed, float("-inf"))
-    # Decided on the device (no host sync): rows with something left keep `masked`.
-    nothing_left = torch.isneginf(masked).all(dim=-1, keepdim=True)
-    fallback = raw_logits[rows].masked_fill(~allowed, float("-inf"))
-    logits[rows] = torch.where(nothing_left, fallback, masked)
+    key = (device, logits.dtype)
+    if key not in _device_penalties:
+        _device_penalties[key] = _BYTE_PENALTY.to(device=device, dtype=logits.dtype)
+    bitmask = bitmask.to(device, non_blocking=True)
+    penalty = _device_penalties[key][bitmask.view(torch.uint8).long()].view(bitmask.shape[0], -1)
+    if penalty.shape[1] < vocab:
+        penalty = torch.nn.functional.pad(penalty, (0, vocab - penalty.shape[1]), value=float("-inf"))
+    return logits + penalty[:, :vocab]

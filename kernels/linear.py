@@ -1,17 +1,15 @@
 """Dense linear layer `x @ weight.T + bias` on CPU: oneDNN with prepacked weights.
 
-torch's default CPU GEMM (MKL) is slow on this project's AMD CPUs: float32 at ~200 GFLOP/s
-on 2 cores, and a few-row product on one thread. oneDNN, the library behind torch's
-`mkldnn` ops and Inductor's CPU linears, runs float32 at ~480 GFLOP/s and spreads a 1-row
-bf16 product over every thread, once the weight is reordered into its blocked layout.
-`pack_weight` makes that copy once, at engine start; `linear` uses it when given.
-`python -m loadtest.bench_linear` measures both paths per call on the default model's
-shapes (figures in docs/BENCHMARKS.md): float32 ~1x at 1 row, 1.7-3x at 8-256 rows; bf16
-1.3-1.4x at 1-8 rows.
+torch's default CPU GEMM (MKL) is slow on this project's AMD CPUs in float32 and runs a
+few-row product on one thread. oneDNN, the library behind torch's `mkldnn` ops and
+Inductor's CPU linears, is faster in float32 and spreads a 1-row bf16 product over every
+thread, once the weight is reordered into its blocked layout. `pack_weight` makes that
+copy once, at engine start; `linear` uses it when given. `python -m loadtest.bench_linear`
+measures both paths per call on the default model's shapes (figures: docs/BENCHMARKS.md).
 
 Without a packed weight (CUDA, other dtypes, a torch without oneDNN), decode on CPU
 falls back to the sliced batched GEMV below: `bmm` over P row-slices of the weight
-spreads the weight stream over P threads (~40 GB/s on 2 cores vs ~16 for F.linear).
+spreads the weight stream over P threads, where F.linear reads it on one.
 """
 
 from __future__ import annotations
@@ -19,11 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Up to this many rows the sliced bmm beats F.linear on CPU (measured: 2.6x at 1 row,
-# 1.6x at 8, 1.2x at 32).
+# Up to this many rows the sliced bmm beats F.linear on CPU (docs/BENCHMARKS.md).
 SMALL_BATCH_ROWS = 32
-# The batch size oneDNN's weight layout is chosen for: 64 was best or within 5% of best
-# at 1, 32 and 256 rows in both dtypes (hint 1 loses 20-40% at 32 rows in float32).
+# The batch size oneDNN's weight layout is chosen for: one layout for decode and prefill
+# alike, close to the best at every row count we serve (docs/BENCHMARKS.md).
 PACK_BATCH_HINT = 64
 
 

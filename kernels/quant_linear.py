@@ -1,61 +1,29 @@
 """Quantized linears: torch's own int8/int4 CPU GEMMs with a fallback; Triton on CUDA.
 
-Measured on this 2-core CPU (min of 15 x 20 calls, microseconds, `python -m
-loadtest.bench_quant --kernels` reruns it) on SmolLM2-135M's shapes [N x K], fp32 input:
+Weight-only (W8A16, W4A16) on CPU: `torch._weight_int8pack_mm` and
+`aten._weight_int4pack_mm_for_cpu` are vectorised for bfloat16 activations only (fp32 and
+fp16 activations are an order of magnitude slower), so the fast path casts x to bf16, runs
+torch's integer kernel and casts the output back. That beats the float path at decode
+batch sizes and is not slower at prefill. Dequantize-then-matmul streams a float weight
+again on top of the integer read, so it is slower than float; it stays as the fallback
+that works everywhere (CUDA, a torch without these private ops). The cost: activations
+and outputs are rounded to bf16 (relative 2^-9) around each quantized GEMM; the int8/int4
+rounding of the weights is larger (tests bound the end-to-end effect). The private ops
+are probed once against the reference (`_cpu_op_works`); any failure selects the
+reference path.
 
-    shape      M  F.linear  sliced-bmm fp32  int8pack(fp32 x)  int8pack(bf16 x)  int4pack(bf16 x, g64/128)
-    576x576    1     17.7        17.5             107.8             11.2              10.8
-    960x576    1     29.5        24.3             177.2             11.4              12.6
-    3072x576   1     91.8        65.0             565.0             25.6              27.5
-    576x1536   1     44.6        36.2             287.4             14.2              17.4
-    1536x576   1     48.8        35.9             284.4             16.3              16.5
-    3072x576   8    309.9       346.3            4870.1             98.5              89.0
-    576x1536   8    137.0       161.1            2383.4             45.2              46.3
+W8A8 (`w8a8_linear`: int8 weights, activations quantized per token at run time) on CPU
+runs `torch._int_mm` (int8 x int8 -> int32) on the stored [N, K] weight (a transposed
+view; a [K, N] copy is no faster): the fastest W8A8 path, and far ahead of float at
+prefill sizes (int8 dot products). At M = 1 the per-token activation quantization (a few
+small torch ops) makes it slower than the weight-only path, which stays the CPU decode
+choice (`--quantization int8`). `_int_mm` is exact in the integer part, so it is probed
+for equality (`cpu_int_mm_available`); a failure selects the float64 reference. On CUDA,
+W4A16 and W8A8 run the Triton kernels (`kernels/triton_w4a16.py`, `kernels/triton_w8a8.py`)
+regardless of `--kernel-backend`.
 
-`torch._weight_int8pack_mm` / `aten._weight_int4pack_mm_for_cpu` are vectorised for
-bfloat16 activations only (fp32 is ~10x slower, fp16 ~20x): the winner is "cast x to
-bf16, run torch's int kernel, cast the output back" — 2-3.5x faster than the fp32
-sliced-bmm path at M = 1..8, and not slower up to M = 512 (prefill). Dequantize-then-
-matmul streams 4 bytes per weight again plus the int8 read, so it is slower than float
-(331 vs 46 us at 576x1536); it stays as the fallback that works everywhere (CUDA, a torch
-without these private ops). The cost: activations and outputs are rounded to bf16
-(relative 2^-9) around each quantized GEMM; the int8/int4 rounding of the weights is
-larger (tests bound the end-to-end effect).
-
-The private ops are probed once against the reference (`_cpu_op_works`); any failure
-selects the reference path.
-
-W8A8 (`w8a8_linear`: int8 weights, activations quantized per token at run time) on
-CPU, microseconds per layer, fp32 x, `python -m loadtest.bench_quant_kernels --cpu`
-(min of 7 x 10 calls; run while other jobs loaded the 2 cores, load average ~6: the
-millisecond entries are OpenMP threads waiting for a descheduled peer, not the kernels;
-the order of the columns was the same in three runs):
-
-    shape      M  _int_mm  _int_mm[K,N]  int8pack  dequant  act quant  w8a16  float
-    576x576    1     27.1      41.5      15599.5   9225.4     17.7     11.6    18.8
-    576x576    8     36.9      44.4         56.4  19073.7     25.1     29.1    76.2
-    576x576  128    148.9     144.5       2435.5  16926.1     44.9    325.3  2045.7
-    960x576    1     27.5      31.6         32.5    214.7     17.7     15.6    26.0
-    960x576    8     44.0      40.8         62.6   6880.6     20.8     39.4   117.3
-    960x576  128    151.8     153.3       2605.1  45569.8     50.6   7722.1  2988.9
-    3072x576   1     38.5      72.8         51.4  32745.9     17.8     31.9    68.0
-    3072x576   8     90.9     105.6        136.4  53831.4     24.9    106.0  2287.3
-    3072x576 128   1230.0    2045.6      24318.2  82848.9     37.5  10799.1 18602.5
-    576x1536   1     31.0      42.1         38.3    148.0     18.7     17.8    37.9
-    576x1536   8     55.7      54.3         77.2    308.9     23.1     48.8   173.4
-    576x1536 128    259.7     243.3       3247.6  19200.5     80.9   2321.6  5748.0
-
-`_int_mm`: torch's int8 x int8 -> int32 GEMM on the stored [N, K] weight (a transposed
-view; a [K, N] copy is no faster); `int8pack`: the integer activations as bf16 through
-the weight-only int8 kernel; `dequant`: both operands back to fp32, one F.linear. All
-three include `act quant` (the per-token quantization alone, ~18 us of small torch ops
-at M = 1). `w8a16` (int8 weights, activations unquantized) and `float` are baselines,
-not W8A8. `_int_mm` wins every row among the W8A8 paths, and beats float by 6-20x at
-M = 128 (int8 dot products; the spread is the noise of the three runs); at M = 1 the activation quantization makes it slower than the
-weight-only path, which stays the CPU decode choice (`--quantization int8`). It is exact
-in the integer part, so it is probed for equality (`cpu_int_mm_available`); a failure
-selects the float64 reference. On CUDA, W4A16 and W8A8 run the Triton kernels
-(`kernels/triton_w4a16.py`, `kernels/triton_w8a8.py`) regardless of `--kernel-backend`.
+Per-call timings of every path, with the commands that produce them: docs/BENCHMARKS.md,
+"CPU GEMM paths, per call".
 """
 
 from __future__ import annotations
@@ -180,8 +148,8 @@ def w8a8_linear(
 ) -> torch.Tensor:
     """Dynamic W8A8 in x's dtype: quantize x per token, int8 GEMM, rescale.
 
-    CUDA: the two Triton kernels. CPU: torch's `_int_mm` when the probe passes (the
-    table above), else the float64 reference; both exact in the integer part.
+    CUDA: the two Triton kernels. CPU: torch's `_int_mm` when the probe passes, else the
+    float64 reference; both exact in the integer part.
     """
     if x.device.type == "cuda":
         from kernels import triton_w8a8

@@ -13,21 +13,24 @@ VM's speed drifts by up to 2x over minutes):
    complete before `--output-len` tokens, and the unconstrained arm sets `ignore_eos`;
    the run checks that every row of both arms produced exactly output-len tokens and
    that every constrained output is a valid JSON prefix of a document the schema allows.
-2. Batch 1: the time each output token gains from the grammar (ms).
+2. Batch 1: the time each output token gains from the grammar (ms), and the same from
+   the engine's step stats minus the change in the model forward (which sees no grammar:
+   this drops the forward's run-to-run noise, ~1 ms here, from a ~1 ms effect).
    Both: greedy, chat-template prompts, A/B repetitions interleaved (ABBA order), the
    figure is the median over the pairs of (constrained vs unconstrained of that pair).
 3. Grammar compile time p50/p99 over 12 JSON schemas (nested objects, $defs/$ref,
    recursion, arrays with min/max items, enums, number ranges, string pattern/length,
    anyOf, nullable, a tool call), any-JSON-object, a regex, a choice, a Lark and a GBNF
    grammar, each compiled cold (`LLGuidanceBackend.compile`, which caches nothing; the
-   engine's cache sits in StructuredOutputManager) several times; plus the first mask
-   of a fresh matcher, and the one-time cost of a backend's first grammar.
-4. Where a constrained step's extra time goes, per step: `StructuredOutputManager.fill_bitmask`
-   for the batch's rows, `engine.sampler.apply_grammar_bitmask` on logits
-   [rows, vocab] float32, the logits copy the sampler makes when a bitmask is present,
-   and `accept_token` of every row, timed directly while replaying the constrained
-   run's own tokens (so the matchers walk realistic states), against the added step time
-   the engine measured.
+   engine's cache sits in StructuredOutputManager) several times.
+4. Where a constrained step's extra time goes. The sampler asks each constrained row's
+   grammar whether it allows the token the row would pick anyway (`GrammarMatcher.allows`)
+   and fills (`StepGrammars.bitmask`) and applies (`apply_grammar_bitmask`) a mask only
+   for the rows where it does not. (a) In the engine, during the A/B runs (`EngineTimers`):
+   those calls, `Sampler._constrain` that makes them, the sampler call, `accept_token`,
+   and the rows per step that needed a mask. (b) Alone, replaying the constrained run's
+   tokens through fresh matchers: each call on every row, and `_constrain` with no row
+   masked and with every row masked.
 
 Progress goes to stderr, the table to stdout. Goals are informational: exit 0 (1 only if
 a check of the outputs fails, since the ratios then compare unequal work).
@@ -39,7 +42,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -54,6 +56,7 @@ from loadtest.bench_offline import OtherCpu, Report, _check, log
 GOAL_THROUGHPUT_FRACTION = 0.90  # batch 32 constrained tok/s >= 90% of unconstrained
 GOAL_ADDED_MS_PER_TOKEN = 1.0  # batch 1: < 1 ms added per output token
 
+BATCH1_PAIRS_PER_REPEAT = 4  # a batch-1 pair takes ~5 s, and its grammar cost is ~2% of a step
 ITEM_MAX_LENGTH = 12
 TITLE_MAX_LENGTH = 40
 
@@ -75,8 +78,8 @@ _TEMPLATES = [
 
 def make_messages(n: int) -> list[list[dict[str, str]]]:
     """n short chat conversations (one user turn), distinct for the first 32."""
-    pairs = [(t, s) for t in _TEMPLATES for s in _SUBJECTS]
-    return [[{"role": "user", "content": pairs[i % len(pairs)][0].format(s=pairs[i % len(pairs)][1])}] for i in range(n)]
+    texts = [t.format(s=s) for t in _TEMPLATES for s in _SUBJECTS]
+    return [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(n)]
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -229,7 +232,6 @@ def check_bench_output(text: str) -> str | None:
 
 @dataclass(slots=True)
 class Run:
-    arm: str  # "free" | "json"
     wall_s: float
     token_counts: list[int]
     finish_reasons: list[str]
@@ -237,21 +239,107 @@ class Run:
     token_ids: list[list[int]]
     num_steps: int | None
     step_time_s: float | None
+    forward_time_s: float | None
+    timers: dict[str, float] | None
+    """Seconds inside the engine's grammar calls during this run (see `EngineTimers`)."""
+
+    def per_step_ms(self, what: str) -> float | None:
+        """Mean ms per engine step of `what`: "step", "forward" or a timer name."""
+        if not self.num_steps:
+            return None
+        total = {"step": self.step_time_s, "forward": self.forward_time_s}.get(what)
+        if total is None and self.timers is not None:
+            total = self.timers.get(what)
+        return None if total is None else total / self.num_steps * 1e3
 
 
-def generate(llm, prompts: list[list[int]], params) -> Run:
+class EngineTimers:
+    """Times the engine's grammar calls in place during the A/B runs, and restores them.
+
+    Wraps the engine's sampler call; on that sampler `_constrain` (counting steps and
+    constrained rows); `StepGrammars.bitmask` (counting the rows masked);
+    `engine.sampler.apply_grammar_bitmask` (looked up at each call); the matcher class's
+    `allows` and `accept_token`. A wrapper costs ~0.3 us, ~2 per row and step: ~20 us at
+    batch 32 against steps of 30-130 ms. If the engine's internals moved, `active` is False.
+    """
+
+    NAMES = ("sampler", "constrain", "allows", "bitmask", "apply", "accept", "steps", "rows", "masked")
+    """Seconds in each call; then counts: steps with constrained rows, those rows, rows masked."""
+
+    def __init__(self, llm, spec) -> None:
+        self.totals = dict.fromkeys(self.NAMES, 0.0)
+        self._undo: list = []
+        self.active = False
+        try:
+            self._install(llm.engine_core, spec)
+            self.active = True
+        except Exception as e:  # noqa: BLE001 - instrumentation is optional
+            log(f"in-engine timers unavailable ({type(e).__name__}: {e}); only the replay split is reported")
+            self.uninstall()
+
+    def _patch(self, owner, attr: str, name: str, count=None, instance: bool = False) -> None:
+        """Replace `owner.attr` by a timed wrapper; `instance`: shadow a method on one object."""
+        totals, fn = self.totals, getattr(owner, attr)
+
+        def wrapper(*args, **kwargs):
+            if count is not None:
+                count(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - t0
+
+        setattr(owner, attr, wrapper)
+        self._undo.append((lambda: delattr(owner, attr)) if instance else (lambda: setattr(owner, attr, fn)))
+
+    def _install(self, core, spec) -> None:
+        import engine.sampler as sampler_module
+        from engine.structured_output import StepGrammars
+
+        totals = self.totals
+
+        def constrained(token_ids, logits, raw_logits, requests, grammar, noise) -> None:
+            totals["steps"] += 1
+            totals["rows"] += len(grammar.rows)
+
+        def masked(step_grammars, rows) -> None:
+            totals["masked"] += len(rows)
+
+        self._patch(core.sampler, "_constrain", "constrain", constrained, instance=True)
+        self._patch(StepGrammars, "bitmask", "bitmask", masked)
+        self._patch(sampler_module, "apply_grammar_bitmask", "apply")
+        matcher_cls = type(core.structured_output.compile(spec).result().new_matcher())
+        self._patch(matcher_cls, "allows", "allows")
+        self._patch(matcher_cls, "accept_token", "accept")
+        self._patch(core, "sampler", "sampler")
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def take(self) -> dict[str, float] | None:
+        """The totals since the last take (None when inactive), and reset."""
+        out = dict(self.totals) if self.active else None
+        self.totals.update(dict.fromkeys(self.NAMES, 0.0))
+        return out
+
+
+def generate(llm, prompts: list[list[int]], params, timers: EngineTimers | None = None) -> Run:
     stats = getattr(llm.engine_core, "stats", None)
     if stats is not None:
         stats.reset()
+    if timers is not None:
+        timers.take()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     cs = [o.outputs[0] for o in outs]
     return Run(
-        "json" if params.structured_output is not None else "free", wall,
-        [len(c.token_ids) for c in cs], [str(c.finish_reason) for c in cs], [c.text for c in cs],
+        wall, [len(c.token_ids) for c in cs], [str(c.finish_reason) for c in cs], [c.text for c in cs],
         [list(c.token_ids) for c in cs],
         None if stats is None else int(stats.num_steps), None if stats is None else float(stats.step_time_s),
+        None if stats is None else float(stats.forward_time_s), None if timers is None else timers.take(),
     )
 
 
@@ -274,29 +362,47 @@ class ABResult:
         """median over pairs of (json wall - free wall) / output tokens per row."""
         return statistics.median((j.wall_s - f.wall_s) / max(j.token_counts) * 1e3 for f, j in self.pairs)
 
-    def paired_added_ms_per_step(self) -> tuple[float, str]:
-        """Added time per engine step: the engine's summed step time if it keeps stats, else wall."""
-        if all(r.step_time_s is not None and r.num_steps for p in self.pairs for r in p):
-            return statistics.median((j.step_time_s / j.num_steps - f.step_time_s / f.num_steps) * 1e3
-                                     for f, j in self.pairs), "engine stats"
-        return statistics.median((j.wall_s - f.wall_s) / max(j.token_counts) * 1e3 for f, j in self.pairs), "wall"
+    def in_engine_split(self) -> dict[str, float] | None:
+        """Median over pairs of the per-step ms: added = step(json) - step(free); forward =
+        its change in the model forward (which sees no grammar: outside_forward = added -
+        forward drops the forward's run-to-run noise, ~1 ms at batch 1 here); sampler = the
+        change of the whole sampler call, which holds constrain (`Sampler._constrain`), which
+        holds allows, bitmask and apply; grammar = sampler + accept; rest = added - forward -
+        grammar; masked = rows per step that needed a mask (masked_frac: of constrained rows).
+        """
+        def per_pair(f: Run, j: Run) -> dict[str, float] | None:
+            parts = ("constrain", "allows", "bitmask", "apply", "accept")
+            values = {k: j.per_step_ms(k) for k in ("step", "forward", "sampler", *parts)}
+            base = {k: f.per_step_ms(k) for k in ("step", "forward", "sampler")}
+            if any(v is None for v in [*values.values(), *base.values()]) or not j.timers["rows"]:
+                return None
+            out = {
+                "step_free": base["step"], "step_json": values["step"], "added": values["step"] - base["step"],
+                "forward": values["forward"] - base["forward"], "sampler": values["sampler"] - base["sampler"],
+                **{k: values[k] for k in parts},
+                "masked": j.timers["masked"] / j.timers["steps"], "masked_frac": j.timers["masked"] / j.timers["rows"],
+            }
+            out["grammar"] = out["sampler"] + out["accept"]
+            out["outside_forward"] = out["added"] - out["forward"]
+            out["rest"] = out["outside_forward"] - out["grammar"]
+            return out
 
-    def median_step_ms(self, arm: int) -> float | None:
-        if not all(p[arm].step_time_s is not None and p[arm].num_steps for p in self.pairs):
+        splits = [per_pair(f, j) for f, j in self.pairs]
+        if not splits or any(s is None for s in splits):
             return None
-        return statistics.median(p[arm].step_time_s / p[arm].num_steps * 1e3 for p in self.pairs)
+        return {k: statistics.median(s[k] for s in splits) for k in splits[0]}
 
 
-def run_ab(llm, prompts, free_params, json_params, repeats: int) -> ABResult:
+def run_ab(llm, prompts, free_params, json_params, repeats: int, timers: EngineTimers | None = None) -> ABResult:
     result = ABResult(len(prompts))
     for rep in range(repeats):
         # ABBA: each arm goes first in half the pairs, so a steady drift cancels.
         if rep % 2 == 0:
-            free = generate(llm, prompts, free_params)
-            constrained = generate(llm, prompts, json_params)
+            free = generate(llm, prompts, free_params, timers)
+            constrained = generate(llm, prompts, json_params, timers)
         else:
-            constrained = generate(llm, prompts, json_params)
-            free = generate(llm, prompts, free_params)
+            constrained = generate(llm, prompts, json_params, timers)
+            free = generate(llm, prompts, free_params, timers)
         result.pairs.append((free, constrained))
         log(f"batch {len(prompts):3d} pair {rep + 1}/{repeats}: unconstrained {free.wall_s:.2f} s, "
             f"constrained {constrained.wall_s:.2f} s ({free.wall_s / constrained.wall_s:.1%})")
@@ -325,6 +431,7 @@ def check_runs(results: list[ABResult], output_len: int) -> tuple[list[str], lis
     return lines, failures
 
 
+
 # ----------------------------------------------------------------------------- compile times
 
 
@@ -332,156 +439,83 @@ def compile_specs(output_len: int) -> list[tuple[str, Any]]:
     """(name, StructuredOutputSpec): the kinds of schema and grammar the tests and clients use."""
     from engine.structured_output import StructuredOutputSpec as S
 
-    address = {
-        "type": "object",
-        "properties": {"street": {"type": "string", "maxLength": 64}, "city": {"type": "string"},
-                       "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-        "required": ["street", "city"],
-    }
+    def obj(required: list[str] | None = None, **props) -> dict[str, Any]:
+        return {"type": "object", "properties": props, "required": list(props) if required is None else required}
+
+    string, integer, number = {"type": "string"}, {"type": "integer"}, {"type": "number"}
+    address = obj(["street", "city"], street={"type": "string", "maxLength": 64}, city=string,
+                  zip={"type": "string", "pattern": "^[0-9]{5}$"})
     schemas = {
-        "person (string length, int range, enum array)": {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "minLength": 1, "maxLength": 12},
-                "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
-            },
-            "required": ["name", "age", "tags"], "additionalProperties": False,
-        },
-        "nested objects (order > customer > address)": {
-            "type": "object",
-            "properties": {
-                "id": {"type": "integer"},
-                "customer": {"type": "object", "properties": {"name": {"type": "string"}, "address": address},
-                             "required": ["name", "address"]},
-                "lines": {"type": "array", "items": {"type": "object", "properties": {
-                    "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}}, "required": ["sku", "qty"]}},
-            },
-            "required": ["id", "customer", "lines"],
-        },
-        "$defs/$ref (shared definitions)": {
-            "$defs": {"address": address, "money": {"type": "object", "properties": {
-                "amount": {"type": "number", "minimum": 0}, "currency": {"enum": ["EUR", "USD", "GBP"]}},
-                "required": ["amount", "currency"]}},
-            "type": "object",
-            "properties": {"billing": {"$ref": "#/$defs/address"}, "shipping": {"$ref": "#/$defs/address"},
-                           "total": {"$ref": "#/$defs/money"}},
-            "required": ["billing", "total"],
-        },
-        "recursive $ref (tree)": {
-            "$defs": {"node": {"type": "object", "properties": {
-                "value": {"type": "integer"},
-                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 3}},
-                "required": ["value"]}},
-            "$ref": "#/$defs/node",
-        },
-        "arrays with min/max items": {
-            "type": "object",
-            "properties": {"scores": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 5},
-                           "matrix": {"type": "array", "minItems": 2, "maxItems": 2, "items": {
-                               "type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}}},
-            "required": ["scores", "matrix"],
-        },
-        "enums and const": {
-            "type": "object",
-            "properties": {"status": {"enum": ["active", "inactive", "pending", "banned"]},
-                           "level": {"enum": [1, 2, 3, None]}, "version": {"const": "v2"}},
-            "required": ["status", "level", "version"],
-        },
-        "integer/number ranges": {
-            "type": "object",
-            "properties": {"year": {"type": "integer", "minimum": 1900, "maximum": 2100},
-                           "temperature": {"type": "number", "minimum": -273.15, "maximum": 1000},
-                           "ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
-                           "count": {"type": "integer", "minimum": 0}},
-            "required": ["year", "temperature", "ratio", "count"],
-        },
-        "string pattern and length": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-                           "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,4}$"},
-                           "note": {"type": "string", "minLength": 5, "maxLength": 80}},
-            "required": ["code", "email", "note"],
-        },
-        "anyOf (two shapes)": {
-            "type": "object",
-            "properties": {"shape": {"anyOf": [
-                {"type": "object", "properties": {"kind": {"const": "circle"}, "radius": {"type": "number"}},
-                 "required": ["kind", "radius"]},
-                {"type": "object", "properties": {"kind": {"const": "rect"}, "w": {"type": "number"},
-                                                  "h": {"type": "number"}}, "required": ["kind", "w", "h"]}]}},
-            "required": ["shape"],
-        },
-        "nullable fields": {
-            "type": "object",
-            "properties": {"nickname": {"type": ["string", "null"]},
-                           "manager": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
-                               "name": {"type": "string"}}, "required": ["name"]}]},
-                           "age": {"type": ["integer", "null"], "minimum": 0}},
-            "required": ["nickname", "manager", "age"],
-        },
-        "tool call (name + arguments)": {
-            "type": "object",
-            "properties": {"name": {"const": "get_weather"}, "arguments": {
-                "type": "object",
-                "properties": {"location": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]},
-                               "days": {"type": "integer", "minimum": 1, "maximum": 14}},
-                "required": ["location"], "additionalProperties": False}},
-            "required": ["name", "arguments"],
-        },
+        "person (string length, int range, enum array)": {**obj(
+            name={"type": "string", "minLength": 1, "maxLength": 12},
+            age={"type": "integer", "minimum": 0, "maximum": 120},
+            tags={"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        ), "additionalProperties": False},
+        "nested objects (order > customer > address)": obj(
+            id=integer, customer=obj(name=string, address=address),
+            lines={"type": "array", "items": obj(sku=string, qty={"type": "integer", "minimum": 1})}),
+        "$defs/$ref (shared definitions)": {"$defs": {
+            "address": address,
+            "money": obj(amount={"type": "number", "minimum": 0}, currency={"enum": ["EUR", "USD", "GBP"]}),
+        }, **obj(["billing", "total"], billing={"$ref": "#/$defs/address"}, shipping={"$ref": "#/$defs/address"},
+                 total={"$ref": "#/$defs/money"})},
+        "recursive $ref (tree)": {"$defs": {"node": obj(
+            ["value"], value=integer, children={"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 3},
+        )}, "$ref": "#/$defs/node"},
+        "arrays with min/max items": obj(
+            scores={"type": "array", "items": number, "minItems": 2, "maxItems": 5},
+            matrix={"type": "array", "minItems": 2, "maxItems": 2,
+                    "items": {"type": "array", "items": integer, "minItems": 2, "maxItems": 2}}),
+        "enums and const": obj(status={"enum": ["active", "inactive", "pending", "banned"]},
+                               level={"enum": [1, 2, 3, None]}, version={"const": "v2"}),
+        "integer/number ranges": obj(
+            year={"type": "integer", "minimum": 1900, "maximum": 2100},
+            temperature={"type": "number", "minimum": -273.15, "maximum": 1000},
+            ratio={"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            count={"type": "integer", "minimum": 0}),
+        "string pattern and length": obj(
+            code={"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+            email={"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,4}$"},
+            note={"type": "string", "minLength": 5, "maxLength": 80}),
+        "anyOf (two shapes)": obj(shape={"anyOf": [
+            obj(kind={"const": "circle"}, radius=number), obj(kind={"const": "rect"}, w=number, h=number)]}),
+        "nullable fields": obj(nickname={"type": ["string", "null"]},
+                               manager={"anyOf": [{"type": "null"}, obj(name=string)]},
+                               age={"type": ["integer", "null"], "minimum": 0}),
+        "tool call (name + arguments)": obj(name={"const": "get_weather"}, arguments={**obj(
+            ["location"], location=string, unit={"enum": ["celsius", "fahrenheit"]},
+            days={"type": "integer", "minimum": 1, "maximum": 14}), "additionalProperties": False}),
         f"this bench's schema ({output_len + 8}+ tags)": bench_schema(output_len),
     }
-    specs = [(f"json: {name}", S.json_schema(schema)) for name, schema in schemas.items()]
-    specs += [
+    return [(f"json: {name}", S.json_schema(schema)) for name, schema in schemas.items()] + [
         ("json_object (any object)", S.json_object()),
         ("regex (ISO date-time)", S.regex(r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]T[0-2][0-9]:[0-5][0-9]:[0-5][0-9]Z")),
         ("choice (5 strings)", S.choice(["positive", "negative", "neutral", "mixed", 'say "unknown"'])),
         ("lark (arithmetic, recursive)", S.grammar(
-            "start: expr\n"
-            "expr: term ((\"+\" | \"-\") term)*\n"
-            "term: factor ((\"*\" | \"/\") factor)*\n"
-            "factor: NUMBER | \"(\" expr \")\"\n"
-            "NUMBER: /[0-9]+(\\.[0-9]+)?/\n")),
+            'start: expr\nexpr: term (("+" | "-") term)*\nterm: factor (("*" | "/") factor)*\n'
+            'factor: NUMBER | "(" expr ")"\nNUMBER: /[0-9]+(\\.[0-9]+)?/\n')),
         ("gbnf (yes/no + reason)", S.grammar('root ::= ("yes" | "no") ", because " [a-z ]{1,40} "."')),
     ]
-    return specs
 
 
-def time_compiles(llm, specs, repeats: int) -> dict[str, Any]:
-    """Cold compile and first-mask times per spec; the backend's one-time start-up cost."""
+def time_compiles(llm, specs, repeats: int) -> dict[str, list[float]]:
+    """Cold compile times (ms) per spec, `repeats` each, on a backend of its own."""
     from engine.structured_output.llguidance_backend import LLGuidanceBackend
 
     core = llm.engine_core
     eos_ids = [t for t in [core.eos_token_id, *core.extra_eos_token_ids] if t is not None]
-    vocab = core.model.args.vocab_size
-
-    def first_mask_ms(backend, compiled) -> float:
-        t0 = time.perf_counter()
-        bitmask = backend.allocate_bitmask(1)
-        backend.fill_bitmask([compiled.new_matcher()], bitmask)
-        return (time.perf_counter() - t0) * 1e3
-
-    # One-time: a fresh backend's first grammar builds llguidance's tokenizer (vocab trie).
-    t0 = time.perf_counter()
-    backend = LLGuidanceBackend(llm.tokenizer, vocab, eos_ids)
-    first = backend.compile(specs[0][1])
-    first_mask_ms(backend, first)
-    startup_ms = (time.perf_counter() - t0) * 1e3
-
+    backend = LLGuidanceBackend(llm.tokenizer, core.model.args.vocab_size, eos_ids)
+    backend.compile(specs[0][1])  # one-time: builds llguidance's tokenizer (vocab trie)
     compile_ms: dict[str, list[float]] = {name: [] for name, _ in specs}
-    mask_ms: dict[str, list[float]] = {name: [] for name, _ in specs}
     for rep in range(repeats):
         # A different order each round, so no spec follows its own compile.
-        order = specs[rep % len(specs):] + specs[: rep % len(specs)]
-        for name, spec in order:
+        for name, spec in specs[rep % len(specs):] + specs[: rep % len(specs)]:
             t0 = time.perf_counter()
-            compiled = backend.compile(spec)  # no cache in the backend: a full compile each time
+            backend.compile(spec)  # no cache in the backend: a full compile each time
             compile_ms[name].append((time.perf_counter() - t0) * 1e3)
-            mask_ms[name].append(first_mask_ms(backend, compiled))
     for name, _ in specs:
-        log(f"compile {name}: median {statistics.median(compile_ms[name]):.2f} ms, "
-            f"first mask {statistics.median(mask_ms[name]):.2f} ms")
-    return {"startup_ms": startup_ms, "compile_ms": compile_ms, "mask_ms": mask_ms}
+        log(f"compile {name}: median {statistics.median(compile_ms[name]):.2f} ms")
+    return compile_ms
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -490,47 +524,60 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, int(-(-q * len(s) // 100)) - 1))]
 
 
-# ----------------------------------------------------------------------------- per-step split
+# ----------------------------------------------------------------------------- grammar costs alone
+
+STANDALONE_KEYS = ("allows", "bitmask", "apply", "accept", "constrain_hit", "constrain_masked")
 
 
-def time_step_split(llm, spec, token_ids: list[list[int]], rows: int, repeats: int) -> dict[str, float]:
-    """Mean ms per engine step of each grammar cost, replaying `token_ids[:rows]` (the
-    constrained run's own outputs) through fresh matchers: fill the bitmask, apply it
-    (on a fresh copy of random logits [rows, vocab] float32), the sampler's logits copy,
-    accept every row's token. Also counts steps where the sampled token was not allowed."""
-    from engine.sampler import GrammarBitmask, apply_grammar_bitmask
+def time_standalone(llm, spec, token_ids: list[list[int]], rows: int, repeats: int) -> dict[str, float]:
+    """Mean ms per step of the sampler's grammar calls alone, replaying `token_ids[:rows]`
+    (the constrained run's own outputs) through fresh matchers: `StepGrammars.allows` of
+    every row's token, `StepGrammars.bitmask` of every row, `apply_grammar_bitmask` on
+    random logits [rows, vocab] float32, `accept_token` of every row, and `Sampler._constrain`
+    of greedy rows whose argmax is the replayed token (allowed: no mask) and of rows using
+    top-k (always masked; no noise passed, so it takes the masked argmax: the mask's cost
+    without the filter's). Counts `bad`: replayed tokens refused and picks outside the grammar."""
+    from engine.request import Request
+    from engine.sampler import Sampler, apply_grammar_bitmask
+    from engine.sampling_params import SamplingParams
+    from engine.structured_output import StepGrammars
 
     manager = llm.engine_core.structured_output
     compiled = manager.compile(spec).result()
-    vocab = llm.engine_core.model.args.vocab_size
     seqs = token_ids[:rows]
     steps = min(len(s) for s in seqs)
-    gen = torch.Generator().manual_seed(0)
-    base = torch.randn(rows, vocab, generator=gen)
-    row_ids = list(range(rows))
-    totals = {"fill": 0.0, "apply": 0.0, "clone": 0.0, "accept": 0.0}
-    disallowed = 0
-    n = 0
+    base = torch.randn(rows, llm.engine_core.model.args.vocab_size, generator=torch.Generator().manual_seed(0))
+    row_ids, sampler = list(range(rows)), Sampler()
+    greedy = [Request(f"g{i}", [0], SamplingParams(temperature=0), None, steps) for i in row_ids]
+    top_k = [Request(f"k{i}", [0], SamplingParams(temperature=1.0, top_k=50), None, steps) for i in row_ids]
+    totals = dict.fromkeys(STANDALONE_KEYS, 0.0)
+    bad = n = 0
+
+    def timed(key: str, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        totals[key] += time.perf_counter() - t0
+        return out
+
     for _ in range(repeats):
-        matchers = [compiled.new_matcher() for _ in range(rows)]
+        matchers = [compiled.new_matcher() for _ in row_ids]
         for k in range(steps):
-            t0 = time.perf_counter()
-            bitmask = manager.fill_bitmask(matchers)
-            t1 = time.perf_counter()
-            logits = base.clone()  # what the sampler does when a bitmask is present
-            t2 = time.perf_counter()
-            apply_grammar_bitmask(logits, GrammarBitmask(bitmask, row_ids), base)
-            t3 = time.perf_counter()
-            ok = [m.accept_token(s[k]) for m, s in zip(matchers, seqs)]
-            t4 = time.perf_counter()
-            disallowed += ok.count(False)
-            for key, dt in zip(("fill", "clone", "apply", "accept"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                totals[key] += dt
+            toks = [s[k] for s in seqs]
+            grammar = StepGrammars(manager, row_ids, matchers)
+            hit = base.clone()
+            hit[torch.arange(rows), torch.tensor(toks)] = 1e4
+            hit_ids, masked_ids = hit.argmax(dim=-1), base.argmax(dim=-1)
+            allowed = timed("allows", lambda: [grammar.allows(r, t) for r, t in zip(row_ids, toks)])
+            bitmask = timed("bitmask", grammar.bitmask, row_ids)
+            timed("apply", apply_grammar_bitmask, base, bitmask)
+            timed("constrain_hit", sampler._constrain, hit_ids, hit, hit, greedy, grammar, {})
+            timed("constrain_masked", sampler._constrain, masked_ids, base, base, top_k, grammar, {})
+            bad += allowed.count(False) + (hit_ids.tolist() != toks)
+            bad += sum(not grammar.allows(r, t) for r, t in zip(row_ids, masked_ids.tolist()))
+            bad += timed("accept", lambda: [m.accept_token(t) for m, t in zip(matchers, toks)]).count(False)
             n += 1
     out = {key: v / n * 1e3 for key, v in totals.items()}
-    out["total"] = sum(out.values())
-    out["steps"] = steps
-    out["disallowed"] = disallowed
+    out["steps"], out["bad"] = steps, bad
     return out
 
 
@@ -544,13 +591,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="constrained-throughput batch (default 32; --quick 4)")
     p.add_argument("--output-len", type=int, default=None, help="tokens every row generates (default 64; --quick 12)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="interleaved A/B pairs at the batch size (default 3; --quick 1); batch 1 runs twice as many")
+                   help="interleaved A/B pairs at the batch size (default 3; --quick 1); batch 1 runs 4x as many")
     p.add_argument("--compile-repeats", type=int, default=None, help="cold compiles per spec (default 5; --quick 1)")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, one repetition")
     p.add_argument("--json", default=None, help="save the raw numbers and outputs here")
     args = p.parse_args(argv)
     quick = args.quick
-    for name, full, small in (("batch_size", 32, 4), ("output_len", 64, 12), ("repeats", 3, 1), ("compile_repeats", 5, 1)):
+    sizes = (("batch_size", 32, 4), ("output_len", 64, 12), ("repeats", 3, 1), ("compile_repeats", 5, 1))
+    for name, full, small in sizes:
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
     if args.batch_size < 1 or args.output_len < 2 or args.repeats < 1 or args.compile_repeats < 1:
@@ -580,30 +628,31 @@ def main(argv: list[str] | None = None) -> int:
 
     # Warm-up: compiles the schema (then cached, as for any repeated schema), fills the
     # prefix cache with these prompts (so every timed run sees the same cache), warms the shapes.
-    t0 = time.perf_counter()
     llm.engine_core.structured_output.compile(spec).result()
-    engine_first_compile_ms = (time.perf_counter() - t0) * 1e3
     for prompts in (big, one):
         for params in (free_params, json_params):
             generate(llm, prompts, dataclasses.replace(params, max_tokens=4))
 
-    log(f"batch {args.batch_size}: {args.repeats} interleaved pairs ...")
-    res_big = run_ab(llm, big, free_params, json_params, args.repeats)
-    log(f"batch 1: {2 * args.repeats} interleaved pairs ...")
-    res_one = run_ab(llm, one, free_params, json_params, 2 * args.repeats)
+    timers = EngineTimers(llm, spec)
+    try:
+        log(f"batch {args.batch_size}: {args.repeats} interleaved pairs ...")
+        res_big = run_ab(llm, big, free_params, json_params, args.repeats, timers)
+        log(f"batch 1: {BATCH1_PAIRS_PER_REPEAT * args.repeats} interleaved pairs ...")
+        res_one = run_ab(llm, one, free_params, json_params, BATCH1_PAIRS_PER_REPEAT * args.repeats, timers)
+    finally:
+        timers.uninstall()
     check_lines, failures = check_runs([res_big, res_one], n)
 
-    log("per-step split (replaying the constrained outputs) ...")
-    tokens_big = res_big.pairs[-1][1].token_ids
-    split_big = time_step_split(llm, spec, tokens_big, args.batch_size, 1 if args.quick else 3)
-    split_one = time_step_split(llm, spec, res_one.pairs[-1][1].token_ids, 1, 1 if args.quick else 5)
-    for split in (split_big, split_one):
-        if split["disallowed"]:
-            failures.append(f"replay: {split['disallowed']} sampled tokens were outside the grammar")
+    log("grammar costs alone (replaying the constrained outputs) ...")
+    alone = {res.batch: time_standalone(llm, spec, res.pairs[-1][1].token_ids, res.batch, reps)
+             for res, reps in ((res_big, 1 if args.quick else 3), (res_one, 1 if args.quick else 5))}
+    for rows, split in alone.items():
+        if split["bad"]:
+            failures.append(f"replay at {rows} rows: {split['bad']} tokens refused or picked outside the grammar")
 
     log(f"compile times ({args.compile_repeats} cold compiles per spec) ...")
     specs = compile_specs(n)
-    comp = time_compiles(llm, specs, args.compile_repeats)
+    compile_ms = time_compiles(llm, specs, args.compile_repeats)
     other = other_cpu.cores()
 
     # ------------------------------------------------------------------ report
@@ -614,23 +663,33 @@ def main(argv: list[str] | None = None) -> int:
     report.add(f"batch {b} JSON schema on every row, median of {args.repeats}", res_big.median_tok_s(1), "tok/s")
     report.add(f"batch {b} constrained / unconstrained tok/s (median of pairs)", frac * 100, "%", f"{frac:.1%}",
                f">= {GOAL_THROUGHPUT_FRACTION:.0%}", _check(frac, GOAL_THROUGHPUT_FRACTION))
-    r1 = 2 * args.repeats
+    r1 = BATCH1_PAIRS_PER_REPEAT * args.repeats
     added = res_one.paired_added_ms_per_token()
     report.add(f"batch 1 unconstrained, median of {r1}", res_one.median_ms_per_token(0), "ms/token")
     report.add(f"batch 1 JSON schema, median of {r1}", res_one.median_ms_per_token(1), "ms/token")
     report.add("batch 1 added time per output token (median of pairs)", added, "ms",
                f"{res_one.paired_throughput_fraction():.1%} tok/s kept",
                f"< {GOAL_ADDED_MS_PER_TOKEN:g} ms", "PASS" if added < GOAL_ADDED_MS_PER_TOKEN else "MISS")
-    all_compile = [t for ts in comp["compile_ms"].values() for t in ts]
-    all_mask = [t for ts in comp["mask_ms"].values() for t in ts]
-    slowest = max(comp["compile_ms"], key=lambda k: statistics.median(comp["compile_ms"][k]))
+    in_engine = {res.batch: res.in_engine_split() for res in (res_big, res_one)}
+    if in_engine[1] is not None:
+        e = in_engine[1]
+        report.add("batch 1 added time per step outside the model forward (engine stats, median of pairs)",
+                   e["outside_forward"], "ms", f"grammar work {e['grammar']:.2f} ms",
+                   f"< {GOAL_ADDED_MS_PER_TOKEN:g} ms",
+                   "PASS" if e["outside_forward"] < GOAL_ADDED_MS_PER_TOKEN else "MISS")
+    if in_engine[b] is not None:
+        e = in_engine[b]
+        report.add(f"batch {b} added time per step (engine stats; grammar work: sampler + accept_token)",
+                   e["added"], "ms", f"{e['grammar']:.1f} ms = {e['grammar'] / e['step_free']:.1%} of a step")
+    for rows, e in in_engine.items():
+        if e is not None:
+            report.add(f"batch {rows} rows per step that needed a mask (the grammar forbade the pick)",
+                       e["masked"], "rows", f"{e['masked_frac']:.1%} of constrained rows")
+    all_compile = [t for ts in compile_ms.values() for t in ts]
+    slowest = max(compile_ms, key=lambda k: statistics.median(compile_ms[k]))
     ns = len(specs)
     report.add(f"grammar compile p50 ({ns} specs x {args.compile_repeats}, cold)", percentile(all_compile, 50), "ms")
     report.add(f"grammar compile p99 (slowest: {slowest})", percentile(all_compile, 99), "ms")
-    report.add("first mask of a fresh matcher p50 / p99", percentile(all_mask, 50), "ms",
-               f"p99 {percentile(all_mask, 99):.3g} ms")
-    report.add("a fresh backend's first grammar (tokenizer build + compile + mask)", comp["startup_ms"], "ms")
-    report.add("engine's first grammar (import + tokenizer + compile, once per engine)", engine_first_compile_ms, "ms")
 
     print(
         f"\nStructured outputs benchmark: {os.path.basename(str(llm.engine_core.model_path))}, {args.dtype}, greedy, "
@@ -641,20 +700,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"```\n{command}\n```\n")
     print(report.markdown())
 
-    print("\nPer decode step, where the grammar's time goes (mean ms per step; replay of the constrained "
-          "run's tokens through fresh matchers; logits [rows, "
-          f"{llm.engine_core.model.args.vocab_size}] float32):\n")
-    print("| rows | fill_bitmask | apply_grammar_bitmask | sampler logits copy | accept_token (all rows) "
-          "| sum | measured added step time | other | constrained step |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    split_rows = []
-    for res, split in ((res_big, split_big), (res_one, split_one)):
-        measured, source = res.paired_added_ms_per_step()
-        step = res.median_step_ms(1)
-        split_rows.append({**split, "measured_ms": measured, "measured_source": source, "step_ms": step})
-        print(f"| {res.batch} | {split['fill']:.3f} | {split['apply']:.3f} | {split['clone']:.3f} | "
-              f"{split['accept']:.3f} | {split['total']:.3f} | {measured:.3f} ({source}) | "
-              f"{measured - split['total']:.3f} | {'n/a' if step is None else f'{step:.1f}'} |")
+    if all(v is not None for v in in_engine.values()):
+        print("\nPer decode step in the engine, where the added time goes (ms per step, median over the A/B pairs; "
+              "added = constrained step - unconstrained step from the engine's stats; masked = rows whose pick the "
+              "grammar forbade; sampler = the change in the whole sampler call, which holds Sampler._constrain, "
+              "which holds the allows checks, StepGrammars.bitmask (the fills) and apply_grammar_bitmask; grammar "
+              "work = sampler + accept_token; forward = the change in the model forward; rest = added - forward - "
+              "grammar work):\n")
+        print("| rows | unconstrained step | constrained step | added | masked rows per step "
+              "| sampler (_constrain: allows / bitmask / apply) | accept_token | grammar work | forward | rest |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for batch, e in in_engine.items():
+            print(f"| {batch} | {e['step_free']:.2f} | {e['step_json']:.2f} | {e['added']:.2f} "
+                  f"({e['added'] / e['step_free']:.1%}) | {e['masked']:.2f} ({e['masked_frac']:.0%}) | "
+                  f"{e['sampler']:.2f} ({e['constrain']:.2f}: {e['allows']:.3f} / {e['bitmask']:.2f} / "
+                  f"{e['apply']:.2f}) | {e['accept']:.2f} | {e['grammar']:.2f} "
+                  f"({e['grammar'] / e['step_free']:.1%}) | {e['forward']:+.2f} | {e['rest']:+.2f} |")
+
+    vocab = llm.engine_core.model.args.vocab_size
+    print("\nThe same calls timed alone (mean ms per step; the constrained run's tokens replayed through fresh "
+          "matchers; allows, bitmask (the fill) and accept_token of every row; apply_grammar_bitmask on logits "
+          f"[rows, {vocab}] float32; Sampler._constrain with no row masked (every argmax allowed) and with every "
+          "row masked):\n")
+    print("| rows | allows | bitmask | apply_grammar_bitmask | accept_token | _constrain, no row masked "
+          "| _constrain, every row masked |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for rows, s in alone.items():
+        print(f"| {rows} | " + " | ".join(f"{s[k]:.3f}" for k in STANDALONE_KEYS) + " |")
 
     print("\nChecks:")
     for line in check_lines:
@@ -665,19 +737,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         raw = {
-            "command": command,
-            "config": vars(args),
-            "schema": bench_schema(n),
-            "throughput_fraction": frac,
-            "batch1_added_ms_per_token": added,
+            "command": command, "config": vars(args), "schema": bench_schema(n),
+            "throughput_fraction": frac, "batch1_added_ms_per_token": added,
             "runs": {str(res.batch): [
-                {arm: {"wall_s": r.wall_s, "token_counts": r.token_counts, "finish_reasons": r.finish_reasons,
-                       "texts": r.texts, "num_steps": r.num_steps, "step_time_s": r.step_time_s}
+                {arm: {k: v for k, v in dataclasses.asdict(r).items() if k != "token_ids"}
                  for arm, r in (("unconstrained", f), ("constrained", j))} for f, j in res.pairs]
                 for res in (res_big, res_one)},
-            "compile_ms": comp["compile_ms"], "first_mask_ms": comp["mask_ms"], "startup_ms": comp["startup_ms"],
-            "step_split": split_rows,
-            "failures": failures,
+            "compile_ms": compile_ms, "in_engine_split": {str(k): v for k, v in in_engine.items()},
+            "alone": {str(k): v for k, v in alone.items()}, "failures": failures,
         }
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=2)

@@ -1,8 +1,8 @@
 """Servers to benchmark: Pagoda and the locally installed peers, each started on a free port.
 
-Every server runs as a subprocess in its own session on 127.0.0.1, its output going to a
-log file (never a pipe a chatty server could fill), and is ready when ``/health`` (or
-``/v1/models``) answers 200. Peers, on the same model files as Pagoda:
+Every server runs through loadtest/processes.py: a subprocess in its own session on
+127.0.0.1, its output going to a log file, ready when ``/health`` (or ``/v1/models``)
+answers 200. Peers, on the same model files as Pagoda:
 
 - ``transformers serve --continuous-batching`` (Hugging Face's OpenAI-compatible server,
   paged attention) on the model folder, offline (``HF_HUB_OFFLINE=1``). It needs
@@ -19,23 +19,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from loadtest.processes import PORT, REPO_ROOT, HttpServer, pagoda_command
 
 
 @dataclass(slots=True)
@@ -43,14 +32,14 @@ class ServerSpec:
     """How to start one server and what to call its model."""
 
     name: str
-    command: list[str]  # with {port} where the port goes
+    command: list[str]  # with PORT ("{port}") where the port goes
     model: str | None = None  # the `model` field requests carry; None: the first of /v1/models
     env: dict[str, str] = field(default_factory=dict)
     ready_paths: tuple[str, ...] = ("/health", "/v1/models")
 
     def display_command(self, port: int | str = "PORT") -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env.items())
-        cmd = " ".join(str(port) if a == "{port}" else _short(a) for a in self.command)
+        cmd = " ".join(_short(a).replace(PORT, str(port)) for a in self.command)
         return f"{env} {cmd}".strip()
 
 
@@ -68,67 +57,21 @@ def _short(arg: str) -> str:
     return arg
 
 
-class LaunchedServer:
-    """One server subprocess on a free loopback port; ``stop()`` ends it and its children."""
+class LaunchedServer(HttpServer):
+    """One server of a `ServerSpec` on a free loopback port (loadtest/processes.py); `stop()`
+    ends it and its children (SIGTERM to its whole session)."""
 
     def __init__(self, spec: ServerSpec, log_dir: Path) -> None:
         self.spec = spec
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [str(self.port) if a == "{port}" else a for a in spec.command]
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"{spec.name.replace(' ', '-')}-{self.port}.log"
-        self._log = open(self.log_path, "wb")
-        env = {**os.environ, **spec.env}
-        self.proc = subprocess.Popen(
-            self.args, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Return once a ready path answers 200; RuntimeError (with the log) otherwise."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer yet"
-        while time.monotonic() < deadline:
-            rc = self.proc.poll()
-            if rc is not None:
-                raise RuntimeError(f"{self.spec.name} exited with {rc} before it was ready; log:\n{self.log_tail()}")
-            for path in self.spec.ready_paths:
-                try:
-                    r = httpx.get(self.url + path, timeout=2.0)
-                except httpx.HTTPError as e:
-                    last = f"{path}: {type(e).__name__}"
-                    continue
-                if r.status_code == 200:
-                    return
-                last = f"{path}: HTTP {r.status_code}"
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"{self.spec.name} not ready within {timeout_s:.0f} s (last: {last}); log:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: children too
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self._log.close()
+        super().__init__(spec.name, spec.command, log_dir, ready_paths=spec.ready_paths, env=spec.env,
+                         signal_group=True)
 
 
 # ---- the servers ------------------------------------------------------------------------------
 
 
 def pagoda_spec(model_path: Path | None, dtype: str | None, extra_args: list[str]) -> ServerSpec:
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", "{port}", "--no-access-log"]
+    cmd = pagoda_command("--no-access-log")
     if model_path is not None:
         cmd += ["--model", str(model_path)]
     if dtype:
@@ -149,7 +92,7 @@ def transformers_spec(model_path: Path, dtype: str | None, extra_args: list[str]
         return Skipped(name, f"`transformers serve --help` failed: {e}")
     if "--continuous-batching" not in help_text:
         return Skipped(name, "this transformers has no `serve --continuous-batching`")
-    cmd = cli + ["serve", "--continuous-batching", "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning"]
+    cmd = cli + ["serve", "--continuous-batching", "--host", "127.0.0.1", "--port", PORT, "--log-level", "warning"]
     if dtype:
         cmd += ["--dtype", dtype]
     return ServerSpec(
@@ -172,7 +115,7 @@ def llama_cpp_spec(gguf_path: Path | None, extra_args: list[str] = ()) -> Server
     # One request at a time: by default a new request cuts off the one streaming
     # (`interrupt_requests`), which would count as short outputs; queue them instead.
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path),
-           "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", "4096",
+           "--host", "127.0.0.1", "--port", PORT, "--n_ctx", "4096",
            "--n_threads", str(os.cpu_count() or 1), "--interrupt_requests", "false", *extra_args]
     return ServerSpec(name, cmd, model=gguf_path.stem, ready_paths=("/v1/models",))
 

@@ -136,8 +136,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, metrics: 
     """
     config = config or ServerConfig()
     if metrics is None:
-        metrics = Metrics(config.served_model_name or engine.core.model_path.name, max_model_len=engine.max_model_len)
-        engine.core.on_step = metrics.on_step
+        metrics = Metrics(config.served_model_name or engine.model_path.name, max_model_len=engine.max_model_len)
+        engine.set_step_hook(metrics.on_step)
     serving = OpenAIServing(engine, config, metrics)
     completion_serving = CompletionServing(serving)
     chat_serving = ChatServing(serving)
@@ -182,6 +182,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, metrics: 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(serving, request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> Response:
+        # vLLM's route, for clients that tokenize remotely (lm-eval): server/tokenizer_info.py
+        from server.tokenizer_info import tokenizer_info
+
+        return await tokenizer_info(serving, chat_serving.chat_template)
 
     @app.get("/health")
     async def health_route() -> Response:

@@ -1,5 +1,5 @@
 """`pagoda` command line: `pagoda serve [flags]`, `pagoda generate PROMPT [flags]`,
-`pagoda quantize --method ... --bits ... --out DIR` (engine/quantization/quantize.py).
+`pagoda quantize --method ... --bits ... --out DIR` (engine/quantize.py).
 
 `serve` loads the model once, then runs uvicorn with the FastAPI app (server/app.py),
 whose lifespan starts the engine loop and shuts it down on exit. `--config FILE` reads
@@ -25,21 +25,26 @@ _ENGINE_KEYS = (
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face Llama-family folder (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    """The engine flags. Their help is the docstring of the config field behind each
+    (engine/config.py), filled in by `server.config_doc.document_flags`."""
+    from engine.config import DTYPES, KERNEL_BACKENDS, LOAD_FORMATS, QUANTIZATION_METHODS
+
+    parser.add_argument("--model", default=None)
+    # The aliases (fp32, half, bf16, ...) are accepted; the usage line names the canonical ones.
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, metavar="{auto,float32,float16,bfloat16}")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache budget in GiB")
+    parser.add_argument("--kv-cache-memory", type=float, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--quantization", default=None)
-    parser.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS)
+    parser.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-cuda-graph-batch-size", type=int, default=None)
-    parser.add_argument("--load-format", default=None, choices=["auto", "dummy"])
+    parser.add_argument("--load-format", default=None, choices=LOAD_FORMATS)
     # In a --config file: `enable-prefix-caching: false`.
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of earlier requests' identical prompt prefixes")
@@ -50,51 +55,64 @@ def engine_args_from(ns: argparse.Namespace) -> dict:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The server flags. A flag with a `ServerConfig` field (server/config.py) gets that
+    field's docstring as its help (`server.config_doc.document_flags`); the others carry
+    their own `help=` here."""
+    from uvicorn.config import LOG_LEVELS
+
     from server.config import ServerConfig
+    from server.tools.parsers import TOOL_PARSERS
 
     defaults = ServerConfig()
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="the name clients use as `model` (default: the model folder's name)")
-    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY; none = open)")
-    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes, help="largest request body (413 above)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="Address to listen on; `0.0.0.0` serves other machines (the Docker image's default).")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on.")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"))
+    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="unfinished samples the engine accepts before answering 503 + Retry-After")
     parser.add_argument("--max-waiting-tokens", type=int, default=None,
                         help="prompt tokens not yet prefilled (of requests without their first token) beyond which "
-                             "new requests get 503 + Retry-After; an empty queue still takes one longer prompt")
+                             "new requests get 503 + Retry-After; an empty queue still takes one longer prompt "
+                             "(none: no limit)")
     parser.add_argument("--max-queue-time", type=float, default=defaults.max_queue_time_s)
     parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s)
     parser.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s)
-    parser.add_argument("--max-n", type=int, default=defaults.max_n, help="largest n (samples per prompt)")
-    parser.add_argument("--health-stall-timeout", type=float, default=defaults.health_stall_timeout_s,
-                        help="seconds without engine progress (with work pending) before /health answers 503")
+    parser.add_argument("--max-n", type=int, default=defaults.max_n)
+    parser.add_argument("--health-stall-timeout", type=float, default=defaults.health_stall_timeout_s)
     parser.add_argument("--tokenizer-threads", type=int, default=defaults.tokenizer_threads)
     parser.add_argument("--grammar-compile-timeout", type=float, default=defaults.grammar_compile_timeout_s)
-    parser.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=["hermes", "llama3_json"])
+    parser.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=list(TOOL_PARSERS))
     parser.add_argument("--chat-template", default=defaults.chat_template)
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-level", default="info", choices=list(LOG_LEVELS), help="uvicorn's log level.")
     parser.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     parser.add_argument("--config", default=None, help="YAML file of flag values (or a preset name from configs/)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from server.config_doc import FlagHelpFormatter, document_flags
+
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda: an OpenAI-compatible LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible)")
+    serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible)",
+                           description="Serve a model over HTTP (OpenAI-compatible API).", formatter_class=FlagHelpFormatter)
     add_engine_args(serve)
     add_server_args(serve)
+    document_flags(serve)
 
-    gen = sub.add_parser("generate", help="generate from prompts once and print the results")
+    gen = sub.add_parser("generate", help="generate from prompts once and print the results",
+                         description="Generate from prompts once and print the results.", formatter_class=FlagHelpFormatter)
     add_engine_args(gen)
-    gen.add_argument("prompts", nargs="+")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("prompts", nargs="+", help="one request per prompt")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    document_flags(gen)
 
-    quant = sub.add_parser("quantize", help="write a quantized copy of a model folder (AutoAWQ / AutoGPTQ / Pagoda INT8 layouts)")
+    quant = sub.add_parser("quantize", help="write a quantized copy of a model folder (AutoAWQ / AutoGPTQ / Pagoda INT8 layouts)",
+                           description="Write a quantized copy of a model folder.", formatter_class=FlagHelpFormatter)
     quant.add_argument("--model", default=None, help="float Hugging Face folder (default: the bundled model)")
     quant.add_argument("--method", required=True, choices=["rtn", "awq", "gptq", "w8a8"])
     quant.add_argument("--bits", type=int, required=True, choices=[4, 8], help="4: rtn, awq, gptq; 8: rtn, w8a8")
@@ -247,7 +265,7 @@ def run_generate(ns: argparse.Namespace, prompts: list[str], chat: bool, max_tok
 # ---- quantize --------------------------------------------------------------------------------------
 def run_quantize(ns: argparse.Namespace) -> int:
     from engine.default_model import resolve_model_path
-    from engine.quantization.quantize import quantize_checkpoint
+    from engine.quantize import quantize_checkpoint
 
     try:
         config = quantize_checkpoint(

@@ -1,9 +1,12 @@
-"""The README's reference tables, generated from the code so they cannot drift.
+"""The flags' documentation and the README's reference tables, generated from the code so
+they cannot drift.
 
-- The configuration table: every `pagoda serve` flag with its effective default and the
-  docstring of the config field behind it (`EngineConfig`'s sections, `ServerConfig`),
-  or the flag's argparse help where no config field stands behind it; then the engine
-  arguments that only the Python API sets.
+- Every flag's help and default: the docstring of the config field behind it
+  (`EngineConfig`'s sections, `ServerConfig`), or the flag's argparse help where no config
+  field stands behind it. `document_flags` puts them on the parser (`server.cli.build_parser`
+  calls it), so `pagoda serve --help` and the README table say the same.
+- The configuration table: those flags, then the engine arguments that only the Python
+  API sets.
 - The metrics table: every series `GET /metrics` exposes, read from a rendered
   `server.metrics.Metrics`.
 
@@ -41,13 +44,6 @@ _FIELD_OF_FLAG = {
 }
 # The default shown for flags whose argparse default depends on the environment.
 _ENV_DEFAULTS = {"api_key": "`$PAGODA_API_KEY`, else none"}
-# Docs of the flags that have neither a config field nor argparse help in server/cli.py
-# (better moved into their `help=` there; then these entries go).
-_FLAG_DOCS = {
-    "host": "Address to listen on; `0.0.0.0` serves other machines (the Docker image's default).",
-    "port": "TCP port to listen on.",
-    "log_level": "uvicorn's log level.",
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,37 +116,79 @@ def _format_default(value: Any) -> str:
 
 def _flag_text(action: argparse.Action) -> str:
     flag = max(action.option_strings, key=len)
+    if isinstance(action.metavar, str) and action.metavar.startswith("{"):
+        return f"`{flag} {action.metavar}`"
     if action.choices:
         return f"`{flag} {{{','.join(map(str, action.choices))}}}`"
     return f"`{flag}`"
 
 
+def flag_doc(action: argparse.Action, field: FieldDoc | None) -> tuple[str, str]:
+    """(what the flag does, its default in Markdown) from the config field behind it, or
+    from the flag's own `help=` where no documented field stands behind it."""
+    if action.nargs == 0:
+        # A switch: its help says what giving it does; the field's doc says what the
+        # setting is. A config file names the setting, not the switch.
+        doc, shown = action.help or (field.doc if field else ""), "not set"
+        if max(action.option_strings, key=len).lstrip("-").replace("-", "_") != action.dest:
+            doc += f" (in a `--config` file: `{action.dest}: {str(not action.default).lower()}`)"
+    elif field is not None and field.doc:
+        doc = field.doc
+        # A flag left unset (None) means the config field's default applies.
+        default = field.default if action.default is None else action.default
+        shown = _ENV_DEFAULTS.get(action.dest) or _format_default(default)
+    else:
+        doc = action.help or ""
+        shown = _ENV_DEFAULTS.get(action.dest) or _format_default(action.default)
+    return doc, shown
+
+
+def document_flags(parser: argparse.ArgumentParser) -> None:
+    """Give every flag of `parser` its help text and shown default, from the config
+    classes (one source with the README table); `server.cli.build_parser` calls it.
+
+    The help becomes the doc alone (`%` escaped for argparse); the default goes to the
+    action's `default_text`, which `FlagHelpFormatter` appends in `--help` and
+    `flag_rows` puts in its own column.
+    """
+    fields = config_fields()
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        doc, shown = flag_doc(action, fields.get(_FIELD_OF_FLAG.get(action.dest, action.dest)))
+        if not doc:
+            raise ValueError(f"flag {_flag_text(action)} has neither a documented config field nor argparse help")
+        action.help = doc.replace("%", "%%")
+        action.default_text = shown  # type: ignore[attr-defined]
+
+
+def plain_default(shown: str) -> str:
+    """A Markdown default as the terminal shows it."""
+    return shown.replace("`", "")
+
+
+class FlagHelpFormatter(argparse.HelpFormatter):
+    """`--help` with each flag's default after its help: the one `document_flags` set,
+    else the argparse default of an optional flag that takes a value."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = getattr(action, "default_text", None)
+        if shown is None and action.option_strings and action.nargs != 0 and not action.required \
+                and action.default is not None and action.default is not argparse.SUPPRESS:
+            shown = str(action.default)
+        if shown is not None:
+            text += f" (default: {plain_default(shown)})".replace("%", "%%")
+        return text
+
+
 def flag_rows() -> list[FlagRow]:
     """One row per `pagoda serve` flag, in the order of `pagoda serve --help`."""
-    fields = config_fields()
     rows = []
     for action in serve_parser()._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        flag = _flag_text(action)
-        field = fields.get(_FIELD_OF_FLAG.get(action.dest, action.dest))
-        if action.nargs == 0:
-            # A switch: its help says what giving it does; the field's doc says what the
-            # setting is. A config file names the setting, not the switch.
-            doc, shown = action.help or (field.doc if field else ""), "not set"
-            if max(action.option_strings, key=len).lstrip("-").replace("-", "_") != action.dest:
-                doc += f" (in a `--config` file: `{action.dest}: {str(not action.default).lower()}`)"
-        elif field is not None and field.doc:
-            doc = field.doc
-            # A flag left unset (None) means the config field's default applies.
-            default = field.default if action.default is None else action.default
-            shown = _ENV_DEFAULTS.get(action.dest) or _format_default(default)
-        else:
-            doc = action.help or _FLAG_DOCS.get(action.dest, "")
-            shown = _ENV_DEFAULTS.get(action.dest) or _format_default(action.default)
-        if not doc:
-            raise ValueError(f"flag {flag} has neither a documented config field nor argparse help")
-        rows.append(FlagRow(flag, shown, doc))
+        rows.append(FlagRow(_flag_text(action), action.default_text, action.help.replace("%%", "%")))  # type: ignore[attr-defined]
     return rows
 
 

@@ -191,6 +191,14 @@ class Metrics:
         if hits:
             self.prefix_cache_hits.inc(hits)
 
+    def set_engine_info(self, facts: dict[str, str]) -> None:
+        """`pagoda:engine_info{...} 1`: what was loaded and how it runs, one label per fact
+        (as vLLM's cache_config_info)."""
+        names = sorted(facts)
+        info = Gauge(PREFIX + "engine_info", "What the engine loaded and how it runs (labels); always 1.",
+                     ["model_name", *names], registry=self.registry)
+        info.labels(self.model_name, *[facts[n] for n in names]).set(1)
+
     def record_structured_request(self, kind: str) -> None:
         self._structured_requests.labels(self.model_name, kind).inc()
 

@@ -248,13 +248,12 @@ class OpenAIServing:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        core = engine.core
-        self.model_name = config.served_model_name or core.model_path.name
-        self.model_root = str(core.model_path)
-        self.vocab_size = core.model.args.vocab_size
+        self.model_name = config.served_model_name or engine.model_path.name
+        self.model_root = str(engine.model_path)
+        self.vocab_size = engine.vocab_size
         self.max_model_len = engine.max_model_len
         # Tokens the KV cache holds: a request longer than that could never run.
-        self.cache_tokens = core.num_blocks * engine.config.cache.block_size
+        self.cache_tokens = engine.num_kv_blocks * engine.config.cache.block_size
         self.created = int(time.time())
         # Read before the engine loop starts: the tokenizer is the engine thread's after that.
         self.special_ids = frozenset(engine.tokenizer.all_special_ids)
@@ -267,6 +266,7 @@ class OpenAIServing:
         self.engine_death_logged = False
         self.tokenizers = TokenizerPool(engine.tokenizer, config.tokenizer_threads)
         engine.set_grammar_compile_hook(metrics.on_grammar_compiled)
+        metrics.set_engine_info(engine.facts)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -1,16 +1,69 @@
+"""Fixtures for every test folder, and the `slow` tier.
+
+`make test` runs everything; `make test-fast` (`pytest -m "not slow"`) leaves out the tests
+marked `slow`: every test that runs the real default model (it requests `default_model_path`,
+directly or through a fixture such as a started server), the tests marked by hand
+(`@pytest.mark.slow`), and those in SLOW_TESTS below, which take seconds each on the tiny
+model or none.
+"""
+
 import pytest
+
+SLOW_TESTS = {
+    # node id (a module, a test function, or one parametrized case): why it is slow
+    "tests/kernels/test_triton_attention.py::test_full_prefill": "Triton interpreter: long prompts",
+    "tests/kernels/test_triton_attention.py::test_mixed_decode_and_prefill_batch": "Triton interpreter: 36 batches",
+    "tests/kernels/test_triton_attention.py::test_forced_split_k": "Triton interpreter: every split",
+    "tests/kernels/test_triton_cache.py::test_writes_exactly_the_mapped_slots": "Triton interpreter: 144 cases",
+    "tests/kernels/test_kernel_dispatch.py::test_import_is_cheap_and_the_interpreter_can_be_switched_on_late":
+        "fresh interpreters",
+    "tests/engine/test_cuda_graphs.py::test_padded_decode_equals_hf_with_preemption_chunked_prefill_and_shrinking_batches":
+        "long generations, on the Triton interpreter too",
+    "tests/quantization/test_quantize.py::test_cli_writes_a_folder_and_rejects_bad_combinations": "`pagoda quantize` twice",
+    "tests/loadtest/test_bench_linear.py": "a benchmark run",
+    "tests/loadtest/test_bench_structured.py::test_quick_run_prints_the_table_and_checks_its_outputs": "a benchmark run",
+    "tests/loadtest/test_bench_engine_gpu.py::test_bench_imports_without_the_server_packages": "a fresh interpreter",
+    "tests/ops/test_configs.py::test_pagoda_serve_h200_preset_gets_as_far_as_the_model_folder": "`pagoda serve` starts",
+}
+
+
+def _listed_slow(nodeid: str) -> str | None:
+    for key in SLOW_TESTS:
+        if nodeid == key or nodeid.startswith((key + "::", key + "[")):
+            return key
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
+def pytest_collection_modifyitems(config, items):
+    used = set()
+    for item in items:
+        key = _listed_slow(item.nodeid)
+        used.add(key)
+        if key is not None or "default_model_path" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+    stale = sorted(set(SLOW_TESTS) - used)
+    if stale and config.args_source == pytest.Config.ArgsSource.TESTPATHS:  # the whole suite was collected
+        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}")
 
 
 @pytest.fixture(scope="session")
-def default_model_path():
-    """The bundled SmolLM2 folder (converted once by `make setup`, or here on first use)."""
+def default_model_files():
+    """The bundled SmolLM2 folder (converted once by `make setup`, or here on first use), for
+    its files: the tiny model takes its tokenizer. Not marked slow: nothing runs the model."""
     from engine.default_model import ensure_default_model
 
     return ensure_default_model()
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory, default_model_path):
+def default_model_path(default_model_files):
+    """The bundled SmolLM2 folder, for tests that run it: they are marked `slow`."""
+    return default_model_files
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory, default_model_files):
     """A 2-layer random-weight Llama with the default model's tokenizer: fast engine tests."""
     import shutil
 
@@ -26,8 +79,8 @@ def tiny_model_path(tmp_path_factory, default_model_path):
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default_model_path / name).exists():
-            shutil.copy(default_model_path / name, path / name)
+        if (default_model_files / name).exists():
+            shutil.copy(default_model_files / name, path / name)
     return path
 
 

@@ -22,8 +22,7 @@ import multiprocessing
 import multiprocessing.connection
 import sys
 import threading
-from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,12 +37,13 @@ from engine.distributed.parallel_state import (
     rank_device,
     torchrun_rendezvous,
 )
-from engine.distributed.sharding import ShardLayout, check_split
+from engine.distributed.sharding import check_split
 from engine.distributed.step_message import MessageKind, StepInputs, encode_header, encode_payload
-from engine.distributed.worker import agree_num_blocks, load_model_shard, worker_main
-from engine.kv_cache import KVCacheSpec
-from engine.models.llama import LlamaForCausalLM, ModelArgs
-from kernels.ops import KernelOps
+from engine.distributed.worker import worker_main
+from engine.models.llama import ModelArgs
+
+if TYPE_CHECKING:
+    from engine.worker import RankPlacement, Worker
 
 _JOIN_TIMEOUT_S = 10.0
 
@@ -53,7 +53,7 @@ class TensorParallelError(RuntimeError):
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig, args: ModelArgs, model_path: Path, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, args: ModelArgs) -> None:
         world_size = config.parallel.tensor_parallel_size
         quantization = config.model.quantization
         check_split(args, world_size, quantization)  # before any process starts
@@ -88,38 +88,35 @@ class TensorParallelExecutor:
             threading.Thread(target=self._watch, name="pagoda-tp-watchdog", daemon=True).start()
         try:
             self.groups: ParallelGroups = init_groups(rendezvous, self.device)
-            self.model, self.layout = load_model_shard(config, model_path, max_model_len, self.device, self.groups)
         except BaseException:
             self.shutdown()
             raise
+        self.worker: Worker | None = None
+        """Rank 0's Worker (its shard), built by EngineCore once the groups exist."""
 
-    # ---- set-up agreements -------------------------------------------------------------------
-    def kv_cache_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
-        return self.layout.kv_cache_spec(spec)
+    @property
+    def placement(self) -> RankPlacement:
+        """Where rank 0's Worker lives: this executor's device and process groups."""
+        from engine.worker import RankPlacement
 
-    def agree_num_blocks(self, num_blocks: int) -> int:
-        return agree_num_blocks(self.groups, num_blocks)
+        return RankPlacement(self.device, self.groups)
 
     # ---- steps -------------------------------------------------------------------------------
     def run_step(
         self,
-        model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        ops: KernelOps,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
         blocks_to_copy: torch.Tensor | None,
     ) -> torch.Tensor:
-        """`ModelRunner.forward_step` under tensor parallelism: send the step, run rank 0's part."""
-        from engine.model_runner import run_forward
-
+        """`ModelRunner.forward_step` under tensor parallelism: send the step to the worker
+        ranks, then run rank 0's part (whose collectives meet theirs)."""
         self.check_workers()
         step = StepInputs(input_ids, positions, meta, blocks_to_copy)
         try:
             self.groups.send_control(encode_header(MessageKind.STEP, step))
             dist.broadcast(encode_payload(step), 0, group=self.groups.model)
-            return run_forward(model, kv_caches, ops, input_ids, positions, meta, blocks_to_copy)
+            return self.worker.forward(input_ids, positions, meta, blocks_to_copy)
         except Exception as e:
             self.check_workers()  # a dead worker is the better explanation
             self._fail(f"a step failed after the workers started it, so the ranks are out of step ({type(e).__name__}: {e})")

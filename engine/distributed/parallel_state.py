@@ -133,3 +133,10 @@ def cpu_threads_per_rank(world_size: int) -> int:
         return torch.get_num_threads()
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return max(1, (os.cpu_count() or 1) // ranks_here)
+
+
+def agree_num_blocks(groups: ParallelGroups, num_blocks: int) -> int:
+    """Every rank allocates the same number of KV blocks: the fewest any rank has room for."""
+    n = torch.tensor([num_blocks], dtype=torch.int64)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=groups.control)
+    return int(n.item())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,31 +28,10 @@ from engine.distributed.parallel_state import (
     init_groups,
     rank_device,
 )
-from engine.distributed.sharding import ShardLayout, shard_model
 from engine.distributed.step_message import HEADER_LEN, MessageKind, decode, payload_len
-from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_bytes
-from engine.models.llama import LlamaForCausalLM, ModelArgs, prepack_linears
-from kernels.ops import KernelOps, get_ops
 
-
-def load_model_shard(
-    config: EngineConfig, model_path: Path, max_model_len: int, device: torch.device, groups: ParallelGroups
-) -> tuple[LlamaForCausalLM, ShardLayout]:
-    """This rank's shard, quantized as the whole model would be (loaded whole on the CPU first)."""
-    from engine.loader import load_hf_config, load_model
-
-    mc = config.model
-    args = ModelArgs.from_hf_config(load_hf_config(model_path))
-    layout = ShardLayout.for_rank(args, groups.rank, groups.world_size, mc.quantization)
-    model = load_model(model_path, mc.torch_dtype, torch.device("cpu"), max_model_len, load_format=mc.load_format)
-    return shard_model(model, layout, mc.quantization, device, groups.model), layout
-
-
-def agree_num_blocks(groups: ParallelGroups, num_blocks: int) -> int:
-    """Every rank allocates the same number of KV blocks: the fewest any rank has room for."""
-    n = torch.tensor([num_blocks], dtype=torch.int64)
-    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=groups.control)
-    return int(n.item())
+if TYPE_CHECKING:
+    from engine.worker import Worker
 
 
 def worker_main(config: EngineConfig, rendezvous: Rendezvous) -> None:
@@ -67,9 +46,9 @@ def worker_main(config: EngineConfig, rendezvous: Rendezvous) -> None:
 
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     from engine.default_model import resolve_model_path
-    from engine.loader import load_hf_config
+    from engine.worker import RankPlacement, Worker
 
-    mc, cc = config.model, config.cache
+    mc = config.model
     if rendezvous.world_size != config.parallel.tensor_parallel_size:
         raise ValueError(
             f"{rendezvous.world_size} ranks were started for tensor_parallel_size {config.parallel.tensor_parallel_size}"
@@ -83,35 +62,21 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
         flush=True,
     )
     groups = init_groups(rendezvous, device)
-    model_path = resolve_model_path(mc.model)
-    args = ModelArgs.from_hf_config(load_hf_config(model_path))
-    max_model_len = mc.max_model_len or args.max_position_embeddings
-    model, layout = load_model_shard(config, model_path, max_model_len, device, groups)
-    prepack_linears(model)  # as ModelRunner does on rank 0
-    spec = layout.kv_cache_spec(KVCacheSpec.from_model(args, mc.torch_dtype, cc.block_size))
-    own = cc.num_gpu_blocks_override or spec.num_blocks_for_budget(kv_cache_budget_bytes(cc.kv_cache_memory, device))
-    kv_caches = allocate_kv_cache(spec, agree_num_blocks(groups, own), device)
-    serve_steps(model, kv_caches, get_ops(config.kernel.kernel_backend, device), device, groups)
+    # The same model side as rank 0's: load, shard, prepack, size and allocate the KV cache.
+    worker = Worker(config, resolve_model_path(mc.model), RankPlacement(device, groups), log=False)
+    serve_steps(worker, groups)
     groups.destroy()
 
 
-def serve_steps(
-    model: LlamaForCausalLM,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ops: KernelOps,
-    device: torch.device,
-    groups: ParallelGroups,
-) -> None:
+def serve_steps(worker: Worker, groups: ParallelGroups) -> None:
     """Run every step rank 0 broadcasts, until it sends the shutdown message."""
-    from engine.model_runner import run_forward
-
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     with torch.inference_mode():
         while True:
             dist.broadcast(header, 0, group=groups.control)
             if header[0] == MessageKind.SHUTDOWN:
                 return
-            payload = torch.empty(payload_len(header), dtype=torch.int64, device=device)
+            payload = torch.empty(payload_len(header), dtype=torch.int64, device=worker.device)
             dist.broadcast(payload, 0, group=groups.model)
             step = decode(header, payload)
-            run_forward(model, kv_caches, ops, step.input_ids, step.positions, step.meta, step.blocks_to_copy)
+            worker.forward(step.input_ids, step.positions, step.meta, step.blocks_to_copy)

@@ -1,7 +1,17 @@
-"""Weight quantization: the affine math (`affine`), load-time RTN (`rtn`), SmoothQuant W8A8
-(`w8a8`), calibration text and activations (`calibration`), AWQ (`awq`), GPTQ (`gptq`), one
-quantized linear in layout-free form (`weights`), the AutoAWQ / AutoGPTQ / Pagoda checkpoint
-layouts (`checkpoint`), and `pagoda quantize` (`quantize`)."""
+"""Weight quantization, in layers (each module imports only from the layers below it):
+
+    affine          the affine (scale + zero point) math, INT4 packing
+    linears         the runtime modules that serve quantized linears (Int8Linear, Int4Linear,
+                    W8A8Linear, PermutedInputLinear) and their builders
+    weights         one quantized linear in layout-free form (QuantizedLinear) -> its runtime module
+    checkpoint      the AutoAWQ / AutoGPTQ / Pagoda INT8 checkpoint layouts <-> QuantizedLinear
+    rtn             load-time round to nearest: `convert_model(model, method)`, the dispatch of
+                    `--quantization` (METHODS below)
+    calibration     calibration text, captured activations, layer-by-layer calibration runs
+    w8a8            SmoothQuant (calibrated W8A8)
+    awq, gptq       AWQ and GPTQ, layer by layer
+
+`pagoda quantize`, which drives them to write a quantized folder, is engine/quantize.py."""
 
 METHODS = ("int8", "int4", "w8a8")
 """`--quantization` values: RTN weight-only INT8 (per-channel) / INT4 (group 128); W8A8

@@ -27,10 +27,12 @@ before it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.models.llama import LlamaForCausalLM
-from engine.quantization.calibration import DECODER_LINEARS, LayerwiseCalibration
+from engine.quantization.calibration import DECODER_LINEARS, LayerwiseCalibration, quantize_layers
 from engine.quantization.weights import QuantizedLinear, quantize_groups
 
 N_GRID = 20
@@ -154,12 +156,10 @@ def awq_quantize_model(
     sequences: torch.Tensor,  # [num_sequences, seq_len] calibration tokens
     bits: int = 4,
     group_size: int = 128,
+    on_layer: Callable[[int, int], None] | None = None,
 ) -> dict[str, QuantizedLinear]:
     """AWQ of every decoder linear. Folds the scales into the norms / v / up rows of the
-    model in place and leaves the linears fake-quantized; returns {module name: QuantizedLinear}."""
+    model in place and leaves the linears fake-quantized; returns {module name: QuantizedLinear}.
+    `on_layer(done, num_layers)` is called after each layer (progress)."""
     calib = LayerwiseCalibration(model, sequences)
-    return {
-        f"model.layers.{index}.{name}": ql
-        for index in range(model.args.num_hidden_layers)
-        for name, ql in awq_quantize_layer(calib, index, bits, group_size).items()
-    }
+    return quantize_layers(model, lambda index: awq_quantize_layer(calib, index, bits, group_size), on_layer)

@@ -16,6 +16,8 @@ API:
     linear_input_absmax(model, sequences, names) -> {name: [K]}   (max |x| per input channel, O(K) memory)
     LayerwiseCalibration(model, sequences): runs decoder layers one at a time over all
         calibration tokens (AWQ/GPTQ quantize layer i on the inputs layers < i produce).
+    quantize_layers(model, quantize_layer, on_layer) -> {name: QuantizedLinear}: the
+        layer-by-layer loop of AWQ and GPTQ, with a progress callback.
 
 `names` are module names of decoder-layer linears as `model.named_modules()` gives them
 (`model.layers.3.self_attn.qkv_proj`, `model.layers.3.mlp.down_proj`, ...). The model is
@@ -146,6 +148,20 @@ class LayerwiseCalibration:
         _with_input_hooks({n: layer.get_submodule(n) for n in names}, lambda n, x: out.__setitem__(n, x.detach().clone()),
                           lambda: self.layer_forward(index))
         return out
+
+
+def quantize_layers(
+    model: LlamaForCausalLM, quantize_layer: Callable[[int], dict], on_layer: Callable[[int, int], None] | None = None
+) -> dict:
+    """{f"model.layers.{i}.{name}": result} of `quantize_layer(i)` ({name inside the layer:
+    result}) for every decoder layer in order; `on_layer(i + 1, num_layers)` after each."""
+    num_layers = model.args.num_hidden_layers
+    results = {}
+    for index in range(num_layers):
+        results.update({f"model.layers.{index}.{name}": r for name, r in quantize_layer(index).items()})
+        if on_layer is not None:
+            on_layer(index + 1, num_layers)
+    return results
 
 
 def _with_input_hooks(modules: dict[str, nn.Module], on_input: Callable[[str, torch.Tensor], None], run: Callable[[], object]) -> None:

@@ -23,11 +23,13 @@ worth a half step) gets the grid one step lower instead.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization.affine import QuantizedTensor, dequantize, quantize
-from engine.quantization.calibration import DECODER_LINEARS, LayerwiseCalibration
+from engine.quantization.calibration import DECODER_LINEARS, LayerwiseCalibration, quantize_layers
 from engine.quantization.weights import QuantizedLinear, stored_qparams
 
 def group_qparams(values: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,12 +141,11 @@ def gptq_quantize_model(
     group_size: int | None = 128,
     symmetric: bool = True,
     act_order: bool = False,
+    on_layer: Callable[[int, int], None] | None = None,
 ) -> dict[str, QuantizedLinear]:
     """GPTQ of every decoder linear, layer by layer; the model's weights are left
-    fake-quantized (the dequantized values). Returns {module name: QuantizedLinear}."""
+    fake-quantized (the dequantized values). Returns {module name: QuantizedLinear}.
+    `on_layer(done, num_layers)` is called after each layer (progress)."""
     calib = LayerwiseCalibration(model, sequences)
-    return {
-        f"model.layers.{index}.{name}": ql
-        for index in range(model.args.num_hidden_layers)
-        for name, ql in gptq_quantize_layer(calib, index, bits, group_size, symmetric, act_order).items()
-    }
+    return quantize_layers(
+        model, lambda index: gptq_quantize_layer(calib, index, bits, group_size, symmetric, act_order), on_layer)

@@ -1,9 +1,9 @@
-"""W8A8: int8 weights x int8 activations, with SmoothQuant's difficulty migration.
+"""SmoothQuant W8A8: int8 weights x int8 activations, with SmoothQuant's difficulty migration.
 
 Weights: symmetric per output channel, the same int8 RTN as `--quantization int8`
-(`rtn.quantize_weight`). Activations: quantized per token at run time (one scale per row,
-absmax / 127), then one int8 x int8 -> int32 GEMM (`kernels.quant_linear.w8a8_linear`:
-Triton on CUDA, `torch._int_mm` on CPU). The LM head stays INT8 weight-only (activations
+(`rtn.quantize_weight`). Activations: quantized per token at run time (`W8A8Linear` in
+linears.py: one scale per row, absmax / 127, then one int8 x int8 -> int32 GEMM,
+`kernels.quant_linear.w8a8_linear`: Triton on CUDA, `torch._int_mm` on CPU). The LM head stays INT8 weight-only (activations
 unquantized, as under `int8`): it is the largest GEMM at batch 1 either way, and the
 logits are the most error-sensitive output.
 
@@ -24,10 +24,10 @@ down_proj 0.916 (alpha 0.5) / 0.928 (0.8); with down_proj 0.936 (0.5) / 0.902 (0
 hence down_proj is smoothed and alpha defaults to 0.5 (the test on the default model
 guards the level).
 
-Entry points: `quantize_model_w8a8(model, tokenizer, ...)` (calibrate, smooth, convert),
-`smooth_model`, `convert_model_w8a8` (RTN W8A8 without calibration: `--quantization
-w8a8`), `w8a8_module` (a checkpoint's `QuantizedLinear` -> `W8A8Linear`). A converted
-model's `state_dict()` is its whole checkpoint: per decoder linear `qweight` int8 [N, K],
+Entry points: `quantize_model_w8a8(model, tokenizer, ...)` (calibrate, smooth, convert)
+and `smooth_model`. RTN W8A8 without calibration (`--quantization w8a8`) is
+`rtn.convert_model(model, "w8a8")`; a checkpoint's W8A8 linear is served through
+`weights.runtime_module`. A converted model's `state_dict()` is its whole checkpoint: per decoder linear `qweight` int8 [N, K],
 `weight_scale` float32 [N] (and `bias`), the smoothed RMSNorm weights as ordinary float
 parameters (down_proj's smoothing is inside gate_up_proj's integers), the INT8 head's
 `qweight` + `scales`.
@@ -36,69 +36,12 @@ parameters (down_proj's smoothing is inside gate_up_proj's integers), the INT8 h
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from engine.models.llama import Linear, LlamaForCausalLM, RMSNorm
-from engine.quantization.affine import QuantizedTensor
 from engine.quantization.calibration import calibration_token_ids, linear_input_absmax
-from engine.quantization.rtn import convert_model, quantize_weight
-from engine.quantization.weights import QuantizedLinear
-from kernels.quant_linear import w8a8_linear
+from engine.quantization.rtn import convert_model
 
 DEFAULT_ALPHA = 0.5
-
-
-class W8A8Linear(nn.Module):
-    def __init__(
-        self,
-        qweight: torch.Tensor,  # [N, K] int8
-        weight_scale: torch.Tensor,  # [N]
-        bias: torch.Tensor | None,  # [N]
-        smooth: torch.Tensor | None = None,  # [K]: x / smooth when not folded into the previous op
-    ) -> None:
-        super().__init__()
-        if qweight.dtype != torch.int8 or qweight.dim() != 2:
-            raise ValueError(f"qweight must be int8 [N, K], got {qweight.dtype} {tuple(qweight.shape)}")
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("weight_scale", weight_scale.float())
-        self.register_buffer("bias", bias)
-        self.register_buffer("smooth", smooth)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.smooth is not None:
-            x = x / self.smooth
-        return w8a8_linear(x, self.qweight, self.weight_scale, self.bias)
-
-
-def w8a8_linear_module(
-    qt: QuantizedTensor, bias: torch.Tensor | None, device: torch.device, smooth: torch.Tensor | None = None
-) -> W8A8Linear:
-    """The serving module of a symmetric per-channel int8 weight (zero point 128 folded into int8)."""
-    if qt.bits != 8 or qt.group_size != qt.q.shape[1] or not bool((qt.zero == 128).all()):
-        raise ValueError("W8A8 weights must be 8-bit, symmetric (zero point 128), one scale per output channel")
-    qweight = (qt.q - qt.zero).to(torch.int8)
-    return W8A8Linear(qweight.to(device), qt.scale.squeeze(1).to(device), bias, smooth)
-
-
-def w8a8_module(ql: QuantizedLinear, dtype: torch.dtype, device: torch.device) -> W8A8Linear:
-    """The serving module of a W8A8 linear read from a checkpoint."""
-    if ql.g_idx is not None:
-        raise ValueError("W8A8 weights have no act-order (g_idx)")
-    bias = None if ql.bias is None else ql.bias.to(device, dtype)
-    smooth = None if ql.smooth is None else ql.smooth.to(device, dtype)
-    return w8a8_linear_module(ql.qt, bias, device, smooth)
-
-
-@torch.no_grad()
-def convert_model_w8a8(model: nn.Module) -> nn.Module:
-    """Every decoder-layer `Linear` -> `W8A8Linear`, the LM head -> INT8 weight-only; in place."""
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and n.startswith("model.layers.")]
-    for name, linear in targets:
-        parent, _, leaf = name.rpartition(".")
-        weight = linear.weight.data
-        bias = None if linear.bias is None else linear.bias.data
-        setattr(model.get_submodule(parent), leaf, w8a8_linear_module(quantize_weight(weight, "int8"), bias, weight.device))
-    return convert_model(model, "int8")  # only the head is still a float Linear
 
 
 def smoothing_scales(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -162,4 +105,4 @@ def quantize_model_w8a8(
     sequences = calibration_token_ids(tokenizer, num_samples, seq_len)
     act_absmax = linear_input_absmax(model, sequences, smoothable_linears(model))
     smooth_model(model, act_absmax, alpha)
-    return convert_model_w8a8(model)
+    return convert_model(model, "w8a8")

@@ -2,7 +2,7 @@
 
 RTN, AWQ and GPTQ produce a `QuantizedLinear`; the checkpoint formats (AutoAWQ, AutoGPTQ,
 Pagoda's int8/W8A8) pack it and unpack it back; `runtime_module` turns it into the module
-that serves it. Everything in between is the textbook affine form of `affine.py`:
+that serves it (linears.py). Everything in between is the textbook affine form of `affine.py`:
 w[n, k] = scale[n, g(k)] * (q[n, k] - zero[n, g(k)]) with g(k) = k // group_size, or
 g(k) = g_idx[k] when GPTQ's act-order quantized the columns in another order.
 
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.quantization.affine import QuantizedTensor, dequantize_tensor, qparams, quantize
+from engine.quantization.linears import PermutedInputLinear, int4_linear, int8_linear, w8a8_linear_module
 
 
 @dataclass(slots=True)
@@ -84,33 +85,19 @@ def quantize_groups(
     return QuantizedLinear(QuantizedTensor(q, scale, zero, bits, group_size))
 
 
-class PermutedInputLinear(nn.Module):
-    """`inner(x[:, perm])`: a linear whose stored input columns are permuted (GPTQ act-order)."""
-
-    def __init__(self, perm: torch.Tensor, inner: nn.Module) -> None:
-        super().__init__()
-        self.register_buffer("perm", perm)
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x.index_select(-1, self.perm))
-
-
 def runtime_module(ql: QuantizedLinear, dtype: torch.dtype, device: torch.device, w8a8: bool = False) -> nn.Module:
     """The serving module: INT4 / INT8 weight-only, or (`w8a8`) int8 weights x int8 activations."""
     if w8a8:
-        from engine.quantization.w8a8 import w8a8_module
-
-        return w8a8_module(ql, dtype, device)
-    from engine.quantization.rtn import int4_linear, int8_linear
-
+        if ql.g_idx is not None:
+            raise ValueError("W8A8 weights have no act-order (g_idx)")
+        bias = None if ql.bias is None else ql.bias.to(device, dtype)
+        smooth = None if ql.smooth is None else ql.smooth.to(device, dtype)
+        return w8a8_linear_module(ql.qt, bias, device, smooth)
     ql, perm = ql.contiguous_groups()
     bias = None if ql.bias is None else ql.bias.to(device, dtype)
     if ql.qt.bits == 4:
         module = int4_linear(ql.qt, bias, dtype, device)
     elif ql.qt.bits == 8:
-        if ql.qt.group_size != ql.shape[1] or not bool((ql.qt.zero == 128).all()):
-            raise ValueError("INT8 weight-only linears must be symmetric per output channel (zero point 128)")
         module = int8_linear(ql.qt, bias, dtype, device)
     else:
         raise ValueError(f"no runtime module for {ql.qt.bits}-bit weights (4 and 8 are served)")

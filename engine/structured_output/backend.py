@@ -28,6 +28,10 @@ class GrammarMatcher(ABC):
         is then in an error state and allows nothing more)."""
 
     @abstractmethod
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar allows `token_id` next, without computing the whole mask."""
+
+    @abstractmethod
     def is_terminated(self) -> bool:
         """The grammar is complete and allows no further token (except end-of-sequence)."""
 

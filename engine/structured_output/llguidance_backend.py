@@ -56,6 +56,9 @@ class _Matcher(GrammarMatcher):
     def accept_token(self, token_id: int) -> bool:
         return self.matcher.consume_token(token_id)
 
+    def allows(self, token_id: int) -> bool:
+        return self.matcher.validate_tokens([token_id]) == 1
+
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 

@@ -7,9 +7,10 @@ request's stream, so an invalid grammar is a 400 and a slow compile delays only 
 request. A request added with its grammar still compiling waits in the queue (the
 scheduler skips it) while everyone else runs.
 
-Each step the engine asks for the bitmask of the rows that sample under a grammar
-(`fill_bitmask`); the sampler applies it after penalties and logit bias, before
-temperature and the top-k/top-p/min-p filters. Only tokens actually sampled advance a
+Each step the sampler gets the rows that sample under a grammar (`StepGrammars`): it
+asks whether a row's grammar allows the token it would pick anyway (cheap), and fills
+and applies the full bitmask only for the rows where it does not (or that use top-k/p or
+min-p): after penalties and logit bias, before temperature and the filters. Only tokens actually sampled advance a
 matcher, so recomputing a preempted request's KV never replays its grammar.
 """
 
@@ -142,3 +143,18 @@ def default_manager(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
         return LLGuidanceBackend(hf_tokenizer, vocab_size, eos_token_ids)
 
     return StructuredOutputManager(factory)
+
+
+class StepGrammars:
+    """One step's constrained rows, for the sampler (engine.sampler.GrammarConstraint)."""
+
+    def __init__(self, manager: StructuredOutputManager, rows: list[int], matchers: list[GrammarMatcher]) -> None:
+        self.rows = rows
+        self._manager = manager
+        self._matcher_of = dict(zip(rows, matchers))
+
+    def allows(self, row: int, token_id: int) -> bool:
+        return self._matcher_of[row].allows(token_id)
+
+    def bitmask(self, rows: list[int]) -> torch.Tensor:
+        return self._manager.fill_bitmask([self._matcher_of[row] for row in rows])

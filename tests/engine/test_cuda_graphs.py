@@ -168,7 +168,7 @@ def _watch(core, rtol: float = 1e-5, atol: float = 1e-5) -> list[tuple[int, int]
         seen.append((n, graphs.padded_batch_size(n)))
         # The eager pass writes the same K/V into the same slots again: harmless.
         input_ids, positions, meta = runner.prepare(sched)
-        eager = runner.model.compute_logits(runner.model(input_ids, positions, runner.kv_caches, meta, runner.ops))
+        eager = runner.worker.forward(input_ids, positions, meta, None)
         torch.testing.assert_close(logits, eager, rtol=rtol, atol=atol * float(eager.abs().max()))
         return logits
 
@@ -177,10 +177,7 @@ def _watch(core, rtol: float = 1e-5, atol: float = 1e-5) -> list[tuple[int, int]
 
 
 def _padded_runner(core, use_cuda_graphs: bool) -> DecodeGraphRunner:
-    runner = DecodeGraphRunner(
-        core.model, core.runner.kv_caches, core.block_manager, core.ops, core.device, GRAPH_SIZES,
-        core.max_model_len, use_cuda_graphs=use_cuda_graphs,
-    )
+    runner = DecodeGraphRunner(core.worker, core.block_manager, GRAPH_SIZES, use_cuda_graphs=use_cuda_graphs)
     runner.capture(log=False)
     return runner
 

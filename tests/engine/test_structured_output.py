@@ -6,6 +6,7 @@ import re
 import threading
 
 import jsonschema
+import torch
 import pytest
 
 from engine import LLM, SamplingParams
@@ -175,3 +176,58 @@ def test_byte_level_tokens_decode_to_their_text(default_model_path):
     backend = LLGuidanceBackend(hf, len(hf), [hf.eos_token_id])
     ids = hf.encode(' {"a": 1}')
     assert backend.tokenizer.decode_bytes(ids) == b' {"a": 1}'
+
+
+class _FakeGrammars:
+    """A GrammarConstraint over fixed random bitmasks; `check_first=False` makes the sampler
+    mask every constrained row (the reference the shortcut must equal)."""
+
+    def __init__(self, allowed: torch.Tensor, rows: list[int], check_first: bool) -> None:
+        self.rows, self._allowed, self._check_first = rows, allowed, check_first  # allowed: [batch, vocab] bool
+
+    def allows(self, row: int, token_id: int) -> bool:
+        return self._check_first and bool(self._allowed[row, token_id])
+
+    def bitmask(self, rows: list[int]) -> torch.Tensor:
+        bits = self._allowed[rows].view(len(rows), -1, 32).to(torch.int64)
+        words = (bits << torch.arange(32)).sum(dim=-1)
+        return words.to(torch.int64).apply_(lambda w: w - 2**32 if w >= 2**31 else w).to(torch.int32)
+
+
+def _sampling_request(i: int, **kw) -> "Request":
+    from engine.request import Request
+
+    return Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8, **kw), eos_token_id=2, max_tokens=8)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "temperature", "top_p"])
+def test_checking_the_argmax_first_equals_masking_first(kind):
+    from engine.sampler import Sampler
+
+    vocab, batch = 256, 12
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    allowed = torch.rand(batch, vocab, generator=gen) < 0.3
+    allowed[:, 0] = True
+    params = {"greedy": dict(temperature=0.0), "temperature": dict(temperature=0.9),
+              "top_p": dict(temperature=0.9, top_p=0.8)}[kind]
+    rows = list(range(0, batch, 2)) + [3]  # some rows unconstrained
+    results = []
+    for check_first in (True, False):
+        requests = [_sampling_request(i, seed=100 + i, **params) for i in range(batch)]
+        out = Sampler(seed=1)(logits.clone(), requests, _FakeGrammars(allowed, sorted(rows), check_first))
+        results.append(out.token_ids)
+    assert results[0] == results[1]
+    assert all(allowed[row, results[0][row]] for row in rows)
+
+
+def test_grammar_wins_over_min_tokens():
+    """The grammar allows only end-of-sequence while min_tokens forbids it: the grammar wins."""
+    from engine.sampler import Sampler
+
+    vocab = 64
+    allowed = torch.zeros(1, vocab, dtype=torch.bool)
+    allowed[0, 2] = True  # EOS only
+    request = _sampling_request(0, temperature=0.0, min_tokens=4)
+    out = Sampler()(torch.randn(1, vocab), [request], _FakeGrammars(allowed, [0], True))
+    assert out.token_ids == [2]

@@ -53,13 +53,17 @@ def test_quick_run_prints_the_table_and_checks_its_outputs(tiny_model_path, tmp_
         "| batch 1 added time per output token",
         "| grammar compile p50",
         "| grammar compile p99",
-        "| first mask of a fresh matcher",
-        "| rows | fill_bitmask | apply_grammar_bitmask |",
+        "| batch 4 rows per step that needed a mask",
+        "| batch 1 rows per step that needed a mask",
+        "| rows | allows | bitmask | apply_grammar_bitmask | accept_token | _constrain, no row masked",
+        "| rows | unconstrained step | constrained step | added | masked rows per step |",
         "python -m loadtest.bench_structured --quick --model",
         "all checks passed",
     ]:
         assert row in out, (row, out)
-    assert "| 4 |" in out and "| 1 |" in out  # the per-step split rows
+    lines = out.splitlines()
+    for rows in ("4", "1"):  # a row in each where-the-time-goes table
+        assert sum(line.startswith(f"| {rows} |") for line in lines) == 2, out
 
     raw = json.loads(raw_path.read_text())
     n = raw["config"]["output_len"]
@@ -79,3 +83,10 @@ def test_quick_run_prints_the_table_and_checks_its_outputs(tiny_model_path, tmp_
                 assert all(len(t) <= ITEM_MAX_LENGTH for t in doc.get("tags", []))
     # 17 specs compiled, every time.
     assert len(raw["compile_ms"]) >= 14 and all(len(v) == 1 for v in raw["compile_ms"].values())
+    # The engine's grammar calls were timed, and the sampler masked only some rows.
+    for batch in ("4", "1"):
+        split = raw["in_engine_split"][batch]
+        assert split is not None and 0 <= split["masked_frac"] <= 1, split
+        assert raw["alone"][batch]["bad"] == 0
+    timers = raw["runs"]["4"][0]["constrained"]["timers"]
+    assert timers["rows"] >= 4 * (n - 1) and timers["masked"] < timers["rows"], timers

@@ -14,7 +14,7 @@ import pytest
 from loadtest import compat, report
 from loadtest.client import RequestParams, RequestResult, send_request
 from loadtest.datasets import BenchRequest
-from loadtest.servers import free_port
+from loadtest.processes import free_port
 from loadtest.summary import summarize
 
 REQ = BenchRequest(4, prompt="Hello")

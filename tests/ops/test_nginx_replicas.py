@@ -26,7 +26,6 @@ import pwd
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +37,7 @@ import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from processes import REPO_ROOT, Process, free_port
+from processes import REPO_ROOT, Server, free_port, pagoda_command
 
 NGINX_CONF = REPO_ROOT / "configs" / "nginx" / "pagoda.conf"
 K8S_YAML = REPO_ROOT / "configs" / "k8s" / "pagoda.yaml"
@@ -57,17 +56,14 @@ MAX_TOKENS = 8
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn"]
 
 
-class Replica(Process):
+class Replica(Server):
     def __init__(self, name: str, log_dir: Path) -> None:
-        self.port = free_port()
-        self.addr = f"127.0.0.1:{self.port}"
-        self.url = f"http://{self.addr}"
-        super().__init__(name, [
-            sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        super().__init__(name, pagoda_command(
             "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory", "0.1",
             "--no-access-log",
         # Two replicas share the machine's cores: one thread each, not two competing OpenMP teams.
-        ], log_dir / f"{name}.log", env={"OMP_NUM_THREADS": "1"})
+        ), log_dir, env={"OMP_NUM_THREADS": "1"})
+        self.addr = f"127.0.0.1:{self.port}"
 
     def metric(self, name: str) -> float:
         """A series summed over its label sets, from this replica's own /metrics."""
@@ -194,7 +190,7 @@ def test_k8s_one_gpu_per_pod_and_service_reaches_the_pods():
 class Proxy:
     url: str
     work: Path
-    process: Process
+    process: Server
     replicas: list[Replica]
     max_fails: int
     fail_timeout_s: int
@@ -231,13 +227,13 @@ def proxy(default_model_path, tmp_path_factory):
     nginx = None
     try:
         for replica in replicas:
-            replica.wait_ready(f"{replica.url}/health", STARTUP_TIMEOUT_S)
+            replica.wait_ready(STARTUP_TIMEOUT_S)
         port = free_port()
         conf = write_nginx_conf(work, [r.addr for r in replicas], f"127.0.0.1:{port}")
-        nginx = Process("nginx", nginx_args(work, conf), work / "nginx.out")
-        nginx.wait_ready(f"http://127.0.0.1:{port}/health", 30)
+        nginx = Server("nginx", nginx_args(work, conf), work, port=port)
+        nginx.wait_ready(30)
         max_fails, fail_timeout = upstream_params(NGINX_CONF.read_text())
-        yield Proxy(f"http://127.0.0.1:{port}", work, nginx, replicas, max_fails, fail_timeout)
+        yield Proxy(nginx.url, work, nginx, replicas, max_fails, fail_timeout)
     finally:
         if nginx is not None:
             nginx.stop()

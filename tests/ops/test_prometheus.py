@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +18,7 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from processes import REPO_ROOT, Process, free_port
+from processes import PORT, REPO_ROOT, Server, pagoda_command
 
 PROMETHEUS_YML = REPO_ROOT / "configs" / "prometheus.yml"
 DASHBOARD = REPO_ROOT / "configs" / "grafana-dashboard.json"
@@ -61,17 +60,10 @@ def test_promtool_accepts_prometheus_yml():
 @pytest.fixture(scope="module")
 def pagoda(default_model_path, tmp_path_factory):
     """`pagoda serve --config cpu-default` on a free loopback port (the preset, end to end)."""
-    port = free_port()
-    log_dir = tmp_path_factory.mktemp("pagoda")
-    server = Process(
-        "pagoda", [sys.executable, "-m", "server.cli", "serve", "--config", "cpu-default",
-         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--no-access-log"],
-        log_dir / "pagoda.log",
-    )
-    server.url = f"http://127.0.0.1:{port}"
-    server.port = port
+    server = Server("pagoda", pagoda_command("--config", "cpu-default", "--max-model-len", "512", "--no-access-log"),
+                    tmp_path_factory.mktemp("pagoda"))
     try:
-        server.wait_ready(f"{server.url}/health", PAGODA_STARTUP_S)
+        server.wait_ready(PAGODA_STARTUP_S)
         yield server
     finally:
         server.stop()
@@ -85,15 +77,13 @@ def prometheus(pagoda, tmp_path_factory):
     config["global"]["evaluation_interval"] = "1s"
     pagoda_job(config)["static_configs"] = [{"targets": [f"127.0.0.1:{pagoda.port}"]}]
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    server = Process(
+    server = Server(
         "prometheus", [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        work / "prometheus.log",
+         f"--web.listen-address=127.0.0.1:{PORT}", "--log.level=warn"],
+        work, ready_paths=("/-/ready",),
     )
-    server.url = f"http://127.0.0.1:{port}"
     try:
-        server.wait_ready(f"{server.url}/-/ready", 60)
+        server.wait_ready(60)
         yield server
     finally:
         server.stop()

@@ -60,7 +60,7 @@ def test_cli_defaults_agree_with_the_config_classes():
             action.dest, action.default, fields[name].default)
 
 
-# Names from the design's metrics contract (counters without `_total`).
+# The metrics contract of docs/ARCHITECTURE.md as scraped: counters with `_total`, histograms by `_bucket`.
 CONTRACT = [
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_tail_waste_tokens",
     "prompt_tokens_total", "generation_tokens_total", "request_success_total", "num_preemptions_total",

@@ -23,8 +23,8 @@ from engine.loader import load_model
 from engine.models.llama import Linear
 from engine.quantization.calibration import LayerwiseCalibration
 from engine.quantization.checkpoint import AWQ_ORDER, pack_nibbles, parse_quantization_config, unpack_nibbles
-from engine.quantization.rtn import Int4Linear
-from engine.quantization.weights import PermutedInputLinear, replace_linears
+from engine.quantization.linears import Int4Linear, PermutedInputLinear
+from engine.quantization.weights import replace_linears
 
 CPU = torch.device("cpu")
 GROUP = 32

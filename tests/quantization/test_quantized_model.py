@@ -14,7 +14,8 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.loader import load_model
 from engine.models.llama import Linear, LlamaForCausalLM
-from engine.quantization.rtn import Int4Linear, Int8Linear, int4_group_size
+from engine.quantization.linears import Int4Linear, Int8Linear
+from engine.quantization.rtn import int4_group_size
 from kernels.ops import get_ops
 
 CPU = torch.device("cpu")

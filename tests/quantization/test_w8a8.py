@@ -1,4 +1,4 @@
-"""W8A8 (engine/quantization/w8a8.py): the runtime linear, SmoothQuant, and the converted model."""
+"""W8A8: the runtime linear (engine/quantization/linears.py), SmoothQuant (w8a8.py), and the converted model."""
 
 from __future__ import annotations
 
@@ -14,16 +14,9 @@ from engine.loader import load_model
 from engine.models.llama import Linear
 from engine.quantization.affine import quantize_tensor
 from engine.quantization.calibration import LayerwiseCalibration, calibration_token_ids, linear_input_absmax
-from engine.quantization.rtn import Int8Linear, quantize_weight
-from engine.quantization.w8a8 import (
-    W8A8Linear,
-    convert_model_w8a8,
-    quantize_model_w8a8,
-    smooth_model,
-    smoothable_linears,
-    smoothing_scales,
-    w8a8_linear_module,
-)
+from engine.quantization.linears import Int8Linear, W8A8Linear, w8a8_linear_module
+from engine.quantization.rtn import quantize_weight
+from engine.quantization.w8a8 import quantize_model_w8a8, smooth_model, smoothable_linears, smoothing_scales
 from kernels.quant_linear import cpu_int_mm_available, w8a8_linear
 from kernels.quant_reference import quantize_per_token_ref, w8a8_linear_ref
 

@@ -13,7 +13,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def quantized_dir(tiny_model_path, tmp_path_factory):
-    from engine.quantization.quantize import quantize_checkpoint
+    from engine.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("quantized") / "tiny-gptq"
     quantize_checkpoint(tiny_model_path, out, "gptq", 4, 32, calib_samples=4, seq_len=32, act_order=True)
@@ -49,3 +49,11 @@ def test_quantized_folder_serves_completions_and_prompt_logprobs(quantized_serve
         "model": "tiny-gptq", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_start_up_log_and_info_metric_say_what_was_loaded(quantized_server, helpers) -> None:
+    expected = "gptq checkpoint, 4-bit, groups of 32"
+    assert f"[pagoda] quantization: {expected}" in quantized_server.log_tail(60000)
+    r = httpx.get(f"{quantized_server.url}/metrics", timeout=10)
+    info = [line for line in r.text.splitlines() if line.startswith("pagoda:engine_info{")]
+    assert len(info) == 1 and f'quantization="{expected}"' in info[0] and info[0].endswith(" 1.0")

@@ -1,9 +1,12 @@
 """`pagoda quantize`: a float Hugging Face folder -> a quantized folder `pagoda serve --model` loads.
 
+The driver of engine/quantization (which it sits outside of): load, calibrate, quantize,
+pack, write; server/cli.py's `quantize` subcommand calls `quantize_checkpoint`.
+
     method  bits  algorithm                                   written layout (checkpoint.py)
     rtn     8     round to nearest, symmetric per channel     Pagoda "int8" (+ INT8 LM head)
     rtn     4     round to nearest, asymmetric per group      AutoAWQ (zero_point, gemm)
-    awq     4     AWQ scales + clipping (awq.py)              AutoAWQ
+    awq     4     AWQ scales + clipping (quantization/awq.py) AutoAWQ
     gptq    4     GPTQ, asymmetric (--act-order: desc_act)    AutoGPTQ ("gptq" v1, sym false)
     w8a8    8     SmoothQuant (alpha 0.5) + int8 RTN          Pagoda "w8a8" (+ INT8 weight-only LM head)
 
@@ -11,9 +14,17 @@ One group size holds for the whole checkpoint (both layouts have one `group_size
 requested one if it divides every linear's input features, else the largest of 64/32
 that does (SmolLM2's K = 576 and 1536 give 64 for a requested 128); the output folder's
 config.json says which. In the INT4 layouts the LM head stays float, as AutoAWQ/AutoGPTQ
-write it. Calibration: `calib_samples` x `seq_len` tokens of the built-in text
-(calibration.py). The folder gets config.json (+ quantization_config), one
+write it. Calibration (awq, gptq, w8a8): `calib_samples` x `seq_len` tokens of the built-in
+text (quantization/calibration.py), recorded in `quantization_config["quantizer"]`; RTN
+uses none and records none. The folder gets config.json (+ quantization_config), one
 model.safetensors, and the tokenizer / generation files of the source.
+
+Progress goes to `log` (stderr by default): each phase, and for AWQ and GPTQ each decoder
+layer with the time so far and an estimate of the time left (minutes on CPU).
+
+What it writes is readable by every user (`default_model.make_readable`: files 0644,
+folders 0755, whatever the umask), so that a different, unprivileged serving user can load
+it: the output folder, and the folders above it that it creates.
 """
 
 from __future__ import annotations
@@ -21,12 +32,16 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
+import time
 from functools import reduce
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
 
+from engine.default_model import make_readable
 from engine.loader import load_model
 from engine.models.llama import STACKED_PARAMS, Linear, LlamaForCausalLM
 from engine.quantization.awq import awq_quantize_model
@@ -44,6 +59,7 @@ from engine.quantization.w8a8 import smooth_model, smoothable_linears
 from engine.quantization.weights import QuantizedLinear, quantize_groups
 
 METHOD_BITS = {"rtn": (4, 8), "awq": (4,), "gptq": (4,), "w8a8": (8,)}
+CALIBRATED = ("awq", "gptq", "w8a8")
 _UNFUSED = {(fused, index): leaf for leaf, (fused, index) in STACKED_PARAMS.items()}
 
 
@@ -72,6 +88,30 @@ def _int8(linear: Linear) -> QuantizedLinear:
     return QuantizedLinear(quantize_weight(linear.weight.data, "int8"), None, bias)
 
 
+def log_stderr(message: str) -> None:
+    print(f"[pagoda] {message}", file=sys.stderr, flush=True)
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = round(seconds)
+    return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
+
+
+class LayerProgress:
+    """`on_layer(done, total)` for AWQ / GPTQ: one line per decoder layer with the time so far
+    and the time left at the mean pace of the layers done (they are all the same size)."""
+
+    def __init__(self, what: str, log: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> None:
+        self.what, self.log, self.clock = what, log, clock
+        self.start = clock()
+
+    def __call__(self, done: int, total: int) -> None:
+        elapsed = self.clock() - self.start
+        left = elapsed / done * (total - done)
+        self.log(f"{self.what}: layer {done}/{total} done, {format_seconds(elapsed)} so far,"
+                 f" about {format_seconds(left)} left")
+
+
 @torch.no_grad()
 def quantize_linears(
     model: LlamaForCausalLM,
@@ -82,19 +122,22 @@ def quantize_linears(
     calib_samples: int = 64,
     seq_len: int = 256,
     act_order: bool = False,
+    log: Callable[[str], None] = log_stderr,
 ) -> dict[str, QuantizedLinear]:
     """{module name: QuantizedLinear} of every decoder linear (and, at 8 bits, the LM head).
     The float model is modified in place (folded scales; fake-quantized weights)."""
     layout = layout_of(method, bits)
     names = decoder_linear_names(model)
-    if method in ("awq", "gptq", "w8a8"):
+    if method in CALIBRATED:
         sequences = calibration_token_ids(tokenizer, calib_samples, seq_len)
+        log(f"{method}: calibrating on {calib_samples} x {seq_len} tokens of the built-in text")
     if bits == 4:
         group = checkpoint_group_size(model, group_size)
         if method == "awq":
-            return awq_quantize_model(model, sequences, 4, group)
+            return awq_quantize_model(model, sequences, 4, group, on_layer=LayerProgress("awq", log))
         if method == "gptq":
-            return gptq_quantize_model(model, sequences, 4, group, symmetric=False, act_order=act_order)
+            return gptq_quantize_model(model, sequences, 4, group, symmetric=False, act_order=act_order,
+                                       on_layer=LayerProgress("gptq", log))
         results = {}
         for name in names:
             linear = model.get_submodule(name)
@@ -142,7 +185,11 @@ def write_checkpoint(
     source_dir: Path,
     out_dir: Path,
 ) -> None:
-    """model.safetensors + config.json (with `quantization_config`) + the source's tokenizer files."""
+    """model.safetensors + config.json (with `quantization_config`) + the source's tokenizer
+    files; the folder, and the folders above it that it creates, readable by every user."""
+    top = out_dir  # the outermost folder this creates (or out_dir itself)
+    while not top.parent.exists():
+        top = top.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(checkpoint_tensors(model, results, spec), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source_dir / "config.json").read_text())
@@ -151,6 +198,7 @@ def write_checkpoint(
     for path in source_dir.iterdir():
         if path.is_file() and path.name != "config.json" and not path.name.startswith("model") and path.suffix != ".safetensors":
             shutil.copy(path, out_dir / path.name)
+    make_readable(top)  # not the umask's modes, nor (copies) the source's
 
 
 def quantize_checkpoint(
@@ -162,6 +210,7 @@ def quantize_checkpoint(
     calib_samples: int = 64,
     seq_len: int = 256,
     act_order: bool = False,
+    log: Callable[[str], None] = log_stderr,
 ) -> dict:
     """Quantize the float folder `model_dir` into `out_dir`; returns the written quantization_config."""
     from transformers import AutoTokenizer
@@ -171,12 +220,19 @@ def quantize_checkpoint(
         raise ValueError("--act-order is a GPTQ option")
     if out_dir.resolve() == model_dir.resolve():
         raise ValueError("--out must differ from --model")
+    start = time.monotonic()
+    log(f"quantize: loading {model_dir}")
     model = load_model(model_dir, torch.float32, torch.device("cpu"), seq_len)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     group = checkpoint_group_size(model, group_size) if bits == 4 else None
     config = quantization_config(layout, bits, group, sym=False, desc_act=act_order)
     spec = parse_quantization_config(config)
-    config["quantizer"] = {"tool": "pagoda", "method": method, "calib_samples": calib_samples, "seq_len": seq_len}
-    results = quantize_linears(model, tokenizer, method, bits, group_size, calib_samples, seq_len, act_order)
+    config["quantizer"] = {"tool": "pagoda", "method": method}
+    if method in CALIBRATED:  # RTN uses no calibration text: it records none
+        config["quantizer"] |= {"calib_samples": calib_samples, "seq_len": seq_len}
+    log(f"quantize: {method} {bits}-bit of {model.args.num_hidden_layers} decoder layers")
+    results = quantize_linears(model, tokenizer, method, bits, group_size, calib_samples, seq_len, act_order, log)
+    log(f"quantize: writing {out_dir}")
     write_checkpoint(model, results, spec, config, model_dir, out_dir)
+    log(f"quantize: done in {format_seconds(time.monotonic() - start)}")
     return config

@@ -1,0 +1,208 @@
+"""The model side of one rank: load -> quantize/shard -> prepack -> size the KV cache ->
+allocate it -> capture decode graphs -> run forward passes.
+
+One `Worker` per rank, built the same way on rank 0 (inside `EngineCore`) and on every
+tensor-parallel worker rank (`engine/distributed/worker.py`), so the sequence exists once.
+Rank 0 adds what only it has: the `ModelRunner` that flattens a scheduled step into
+tensors, the scheduler, block manager and sampler (engine_core.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_bytes
+from engine.loader import load_hf_config, load_model
+from engine.memory import profile_kv_cache_budget, take_snapshot
+from engine.models.llama import Linear, LlamaForCausalLM, ModelArgs, prepack_linears
+from kernels.ops import KernelOps, get_ops
+
+if TYPE_CHECKING:
+    from engine.block_manager import BlockManager
+    from engine.cuda_graphs import DecodeGraphRunner
+    from engine.distributed.parallel_state import ParallelGroups
+    from engine.distributed.sharding import ShardLayout
+
+
+@dataclass(slots=True)
+class RankPlacement:
+    """Where a tensor-parallel rank's Worker lives: its device and its process groups."""
+
+    device: torch.device
+    groups: "ParallelGroups"
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_path: Path, placement: RankPlacement | None = None,
+                 log: bool = True) -> None:
+        mc = config.model
+        self.config = config
+        self.model_path = model_path
+        self.placement = placement
+        self.device = placement.device if placement is not None else mc.torch_device
+        self.dtype = mc.torch_dtype
+        self.args = ModelArgs.from_hf_config(load_hf_config(model_path))
+        self.max_model_len = _max_model_len(mc.max_model_len, self.args)
+        # On one GPU without a fixed budget the KV cache is sized by profiling (engine/memory.py):
+        # note the device's memory before anything is loaded.
+        snapshot = take_snapshot(self.device) if self._profiles_memory else None
+        self.model, self.layout = self._load()
+        self.num_packed_linears = prepack_linears(self.model)  # on CPU, oneDNN's weight layout: the fast GEMM/GEMV
+        self.ops: KernelOps = get_ops(config.kernel.kernel_backend, self.device)
+        spec = KVCacheSpec.from_model(self.args, self.dtype, config.cache.block_size)
+        self.kv_spec = self.layout.kv_cache_spec(spec) if self.layout is not None else spec  # this rank's KV heads
+        self.num_blocks = self._num_kv_blocks(snapshot, log)
+        # One block more than the block manager hands out: the pad block, where the padding
+        # rows of a decode batch replayed from a CUDA graph write (engine/cuda_graphs.py).
+        self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks + 1, self.device)
+
+    @property
+    def _profiles_memory(self) -> bool:
+        cc = self.config.cache
+        return (
+            self.device.type == "cuda" and cc.kv_cache_memory is None and cc.num_gpu_blocks_override is None
+            and self.placement is None
+        )
+
+    def _load(self) -> tuple[LlamaForCausalLM, "ShardLayout | None"]:
+        """The model (quantized at load when asked), or this rank's shard of it."""
+        mc = self.config.model
+        if self.placement is None:
+            model = load_model(
+                self.model_path, self.dtype, self.device, self.max_model_len, mc.quantization, mc.load_format
+            )
+            return model, None
+        from engine.distributed.sharding import ShardLayout, shard_model
+
+        groups = self.placement.groups
+        layout = ShardLayout.for_rank(self.args, groups.rank, groups.world_size, mc.quantization)
+        # Loaded whole on the host, then sharded: every rank quantizes as the whole model would.
+        whole = load_model(self.model_path, self.dtype, torch.device("cpu"), self.max_model_len, load_format=mc.load_format)
+        return shard_model(whole, layout, mc.quantization, self.device, groups.model), layout
+
+    def _num_kv_blocks(self, snapshot, log: bool) -> int:
+        """Blocks from the override, the profiled GPU budget, or --kv-cache-memory; under
+        tensor parallelism every rank takes the fewest any rank has room for."""
+        cc, sc = self.config.cache, self.config.scheduler
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        elif snapshot is not None:
+            budget = profile_kv_cache_budget(
+                self.model, self.kv_spec, self.ops, self.device, snapshot, sc.max_num_batched_tokens, sc.max_num_seqs,
+                cc.gpu_memory_utilization, log,
+            )
+            num_blocks = self.kv_spec.num_blocks_for_budget(budget)
+        else:
+            num_blocks = self.kv_spec.num_blocks_for_budget(kv_cache_budget_bytes(cc.kv_cache_memory, self.device))
+        if self.placement is not None:
+            from engine.distributed.parallel_state import agree_num_blocks
+
+            num_blocks = agree_num_blocks(self.placement.groups, num_blocks)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV-cache budget holds no block of {self.kv_spec.bytes_per_block} bytes; raise --kv-cache-memory"
+            )
+        return num_blocks
+
+    def capture_decode_graphs(self, block_manager: "BlockManager", log: bool = True) -> "DecodeGraphRunner | None":
+        """CUDA graphs of pure decode steps (rank 0, CUDA, not --enforce-eager), or None."""
+        mc = self.config.model
+        if self.device.type != "cuda" or mc.enforce_eager:
+            return None
+        from engine.cuda_graphs import build_decode_graph_runner
+
+        return build_decode_graph_runner(
+            self, block_manager, self.config.scheduler.max_num_seqs, mc.max_cuda_graph_batch_size,
+            self.config.parallel.tensor_parallel_size, log,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        blocks_to_copy: torch.Tensor | None,  # [num_copies, 2] (src, dst), copied first (copy-on-write)
+    ) -> torch.Tensor:
+        """One prepared step's forward: logits of `meta.logits_indices` (every rank runs it;
+        under tensor parallelism its collectives meet the other ranks')."""
+        if blocks_to_copy is not None:
+            self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], blocks_to_copy)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.ops)
+        return self.model.compute_logits(hidden)
+
+    def facts(self) -> dict[str, str]:
+        """What was actually loaded and how it runs: the start-up log and the info metric."""
+        a, spec, cc = self.args, self.kv_spec, self.config.cache
+        facts = {
+            "model": self.model_path.name,
+            "architecture": _architecture(self.model_path),
+            "layers": str(a.num_hidden_layers),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "quantization": self.quantization(),
+            "kernel_backend": self.ops.backend,
+            "kv_cache": (
+                f"{spec.bytes_per_token} bytes/token (2 x {spec.num_layers} layers x {spec.num_kv_heads} KV heads x "
+                f"{spec.head_dim} x {spec.dtype.itemsize} bytes), {self.num_blocks} blocks x {cc.block_size} tokens = "
+                f"{self.num_blocks * cc.block_size} tokens ({self.num_blocks * spec.bytes_per_block / 2**30:.2f} GiB)"
+            ),
+            "max_model_len": str(self.max_model_len),
+        }
+        num_float = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.weight is not None)
+        if self.device.type == "cpu" and num_float:
+            facts["linears"] = f"oneDNN-packed {self.num_packed_linears} of {num_float} float linears"
+        return facts
+
+    def fallbacks(self) -> list[str]:
+        """Slower paths taken, each to be logged."""
+        out = []
+        if self.device.type == "cpu":
+            num_float = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.weight is not None)
+            if self.num_packed_linears < num_float:
+                out.append(
+                    f"{num_float - self.num_packed_linears} float linear(s) could not be oneDNN-packed and run "
+                    "on torch's default GEMM"
+                )
+        if self.device.type == "cuda" and self.ops.backend != "triton":
+            out.append(f"attention runs on the {self.ops.backend} reference ops on CUDA, not the Triton kernels")
+        return out
+
+    def quantization(self) -> str:
+        """The weights' quantization: a load-time method, a quantized checkpoint's, or none."""
+        from engine.loader import checkpoint_quantization
+
+        method = self.config.model.quantization
+        if method == "int8":
+            return "int8 weight-only RTN, per output channel (W8A16)"
+        if method == "int4":
+            return "int4 weight-only RTN, asymmetric, groups of up to 128 inputs (W4A16)"
+        if method == "w8a8":
+            return "w8a8: int8 weights per channel, int8 activations per token"
+        if method is not None:
+            return method
+        spec = None if self.config.model.load_format == "dummy" else checkpoint_quantization(self.model_path)
+        if spec is None:
+            return "none"
+        group = "per output channel" if spec.group_size is None else f"groups of {spec.group_size}"
+        return f"{spec.layout} checkpoint, {spec.bits}-bit, {group}{', symmetric' if spec.sym else ''}"
+
+
+def _architecture(model_path: Path) -> str:
+    config = load_hf_config(model_path)
+    names = getattr(config, "architectures", None) or [getattr(config, "model_type", "unknown")]
+    return ",".join(names)
+
+
+def _max_model_len(requested: int | None, args: ModelArgs) -> int:
+    max_model_len = requested or args.max_position_embeddings
+    if max_model_len > args.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {args.max_position_embeddings}"
+        )
+    return max_model_len
