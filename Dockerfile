@@ -44,11 +44,13 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PAGODA_CACHE_DIR=/opt/pagoda/cache \
     HF_HUB_OFFLINE=1
 
-# Ubuntu 24.04's Python 3.12. Triton compiles a small C launcher on first use, so the image
-# keeps a C compiler and Python's headers. DL3008: the base image's tag pins the distribution.
+# Ubuntu 24.04's Python 3.12. Triton compiles a small C launcher on first use, and on CPU
+# Pagoda builds its C++ kernels (kernels/cpu_kernels.py) on first start, for the CPU it runs
+# on: so the image keeps C and C++ compilers and Python's headers. DL3008: the base image's
+# tag pins the distribution.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ libc6-dev ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 

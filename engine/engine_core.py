@@ -87,7 +87,11 @@ class EngineCore:
         # Llama-3-style configs list several end tokens; the rest stop like stop_token_ids.
         self.extra_eos_token_ids = eos_ids[1:]
         self.block_manager = BlockManager(self.worker.num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # On CPU without an explicit prefill cap: the default cap, scaled down with context.
+        context_weight = None
+        if self.worker.device.type == "cpu" and config.scheduler.long_prefill_token_threshold is None:
+            context_weight = self.worker.prefill_context_weight()
+        self.scheduler = Scheduler(config.scheduler.for_device(self.worker.device), self.block_manager, context_weight)
         if self.executor is not None:
             self.executor.worker = self.worker
         self.runner = ModelRunner(

@@ -1,4 +1,5 @@
-"""Build a model from a Hugging Face folder: config via transformers, weights from safetensors.
+"""Build a model from a Hugging Face folder: config via transformers, the model class its
+`model_type` names (engine/models/registry.py), weights from safetensors.
 
 Quantized checkpoints (config.json `quantization_config`: AutoAWQ, AutoGPTQ, Pagoda INT8 /
 W8A8; layouts in engine/quantization/checkpoint.py) load as they are: every module whose
@@ -18,17 +19,23 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from engine.dummy_model import init_dummy_weights
-from engine.models.llama import STACKED_PARAMS, Linear, LlamaForCausalLM, ModelArgs, RotaryEmbedding
+from engine.models.llama import STACKED_PARAMS, Linear, LlamaForCausalLM, ModelArgs
+from engine.models.registry import check_model_type, model_class
 from engine.quantization.checkpoint import CheckpointQuantization, concat_shards, parse_quantization_config, unpack
 from engine.quantization.weights import QuantizedLinear, runtime_module
 
-_SUPPORTED = {"llama", "mistral", "qwen2"}
-
 
 def load_hf_config(path: Path):
+    """The folder's transformers config; a one-line ValueError for an architecture
+    engine/models/registry.py does not list (checked on config.json first, so one that
+    transformers does not know either gets the same line, not transformers' advice)."""
+    config_file = Path(path) / "config.json"
+    if config_file.is_file():
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        if model_type is not None:
+            check_model_type(model_type)
     cfg = AutoConfig.from_pretrained(str(path))
-    if cfg.model_type not in _SUPPORTED:
-        raise ValueError(f"model_type {cfg.model_type!r} is not supported (Llama-family only: {sorted(_SUPPORTED)})")
+    check_model_type(cfg.model_type)
     return cfg
 
 
@@ -40,6 +47,14 @@ def load_model(
     quantization: str | None = None,
     load_format: str = "auto",
 ) -> LlamaForCausalLM:
+    from engine.gguf import gguf_source
+
+    if load_format != "dummy" and (gguf := gguf_source(path)) is not None:  # a GGUF file's metadata folder
+        from engine.gguf.loader import load_gguf_model
+
+        return load_gguf_model(
+            load_hf_config(path), gguf, dtype, device, max_positions, quantization, load_format, copy_weight
+        )
     args = ModelArgs.from_hf_config(load_hf_config(path))
     files = [] if load_format == "dummy" else sorted(path.glob("*.safetensors"))
     if load_format != "dummy" and not files:
@@ -51,7 +66,7 @@ def load_model(
     qlinears = read_quantized_linears(files, prefixes, spec) if prefixes else {}
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(args, max_positions)
+        model = model_class(args.model_type)(args, max_positions)
     for name, ql in qlinears.items():
         linear = model.get_submodule(name) if _has_module(model, name) else None
         if not isinstance(linear, Linear):
@@ -65,7 +80,7 @@ def load_model(
     if args.tie_word_embeddings and model.lm_head.weight is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Non-persistent buffers (RoPE tables) were built on meta: rebuild them for real.
-    model.rope = RotaryEmbedding(args, max_positions).to(device)
+    model.build_rope(device)
 
     params = dict(model.named_parameters())
     pending = {name: p.numel() for name, p in params.items()}  # elements still to load
@@ -82,14 +97,7 @@ def load_model(
                         continue
                     if name == "lm_head.weight" and args.tie_word_embeddings:
                         continue
-                    target_name, target = _target(model, params, name)
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(target.shape):
-                        raise ValueError(
-                            f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}"
-                        )
-                    target.copy_(tensor)
-                    pending[target_name] -= tensor.numel()
+                    copy_weight(model, params, pending, name, f.get_tensor(name), "checkpoint")
     missing = sorted(name for name, left in pending.items() if left)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for {missing[:5]}")
@@ -164,6 +172,18 @@ def _has_module(model: torch.nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def copy_weight(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], pending: dict[str, int], name: str,
+                tensor: torch.Tensor, source: str) -> None:
+    """Copy the `source` ("checkpoint", "GGUF") tensor `name` into its parameter (or its
+    shard of a fused one), checking the shape, and count it off `pending` (elements still
+    to load per parameter)."""
+    target_name, target = _target(model, params, name)
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"{name}: {source} shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+    target.copy_(tensor)
+    pending[target_name] -= tensor.numel()
 
 
 def _target(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: str) -> tuple[str, torch.Tensor]:

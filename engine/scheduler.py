@@ -37,9 +37,21 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# The shortest prefill chunk the context-scaled cap goes down to.
+MIN_PREFILL_CHUNK = 32
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 prefill_context_weight: int | None = None) -> None:
+        """`prefill_context_weight`: with it, the prefill chunk cap
+        (`long_prefill_token_threshold`) shrinks as the request's context grows, by
+        w / (w + context): each new token attends to the whole context, and w is the context
+        length whose attention costs as much as the token's pass through the decoder
+        linears (`Worker.prefill_context_weight`). A step with a chunk then costs about the
+        same at any context, which bounds how long it stalls the streams decoding beside it."""
         self.config = config
+        self.prefill_context_weight = prefill_context_weight
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -53,8 +65,12 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> int:
         n = min(request.num_tokens - request.num_computed_tokens, budget)
-        if self.config.long_prefill_token_threshold is not None:
-            n = min(n, self.config.long_prefill_token_threshold)
+        cap = self.config.long_prefill_token_threshold
+        if cap is not None:
+            w = self.prefill_context_weight
+            if w:
+                cap = max(min(cap, MIN_PREFILL_CHUNK), cap * w // (w + request.num_computed_tokens))
+            n = min(n, cap)
         return n
 
     def schedule(self) -> SchedulerOutput:

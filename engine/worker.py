@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from engine.distributed.sharding import ShardLayout
 
 
+CPU_ATTENTION_SLOWDOWN = 4
+"""How many times slower than the linears' GEMMs a prefill chunk's attention runs per
+FLOP on CPU (measured: docs/BENCHMARKS.md, long-prompt section)."""
+
+
 @dataclass(slots=True)
 class RankPlacement:
     """Where a tensor-parallel rank's Worker lives: its device and its process groups."""
@@ -53,7 +58,7 @@ class Worker:
         # note the device's memory before anything is loaded.
         snapshot = take_snapshot(self.device) if self._profiles_memory else None
         self.model, self.layout = self._load()
-        self.num_packed_linears = prepack_linears(self.model)  # on CPU, oneDNN's weight layout: the fast GEMM/GEMV
+        self.num_packed_linears, self.num_shared_linears = prepack_linears(self.model)  # on CPU, oneDNN's weight layout: the fast GEMM/GEMV
         self.ops: KernelOps = get_ops(config.kernel.kernel_backend, self.device)
         spec = KVCacheSpec.from_model(self.args, self.dtype, config.cache.block_size)
         self.kv_spec = self.layout.kv_cache_spec(spec) if self.layout is not None else spec  # this rank's KV heads
@@ -143,7 +148,7 @@ class Worker:
             "model": self.model_path.name,
             "architecture": _architecture(self.model_path),
             "layers": str(a.num_hidden_layers),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": self._dtype_fact(),
             "device": str(self.device),
             "quantization": self.quantization(),
             "kernel_backend": self.ops.backend,
@@ -154,21 +159,50 @@ class Worker:
             ),
             "max_model_len": str(self.max_model_len),
         }
-        num_float = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.weight is not None)
+        num_float = self._num_float_linears()
         if self.device.type == "cpu" and num_float:
-            facts["linears"] = f"oneDNN-packed {self.num_packed_linears} of {num_float} float linears"
+            shared = (f"; each weight held once, but the LM head tied to the embeddings (packed, and the dense "
+                      f"table for the lookup)") if self.num_shared_linears else "; each weight held once"
+            facts["linears"] = f"oneDNN-packed {self.num_packed_linears} of {num_float} float linears{shared}"
         return facts
+
+    def prefill_context_weight(self) -> int:
+        """The context length whose attention takes a new token as long as its pass through
+        the decoder linears; the scheduler scales its prefill chunk cap by it (on CPU).
+        FLOPs: 2 x (linear weights per layer) against 4 x heads x head_dim per context
+        token (QK^T and PV); time: attention of a prefill chunk runs at about a quarter of
+        the linears' GEMM rate on CPU (torch's flash kernel ~100 GFLOP/s against oneDNN's
+        ~400 here: docs/BENCHMARKS.md), hence / CPU_ATTENTION_SLOWDOWN. ~770 tokens for
+        SmolLM2-135M."""
+        a = self.args
+        q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+        linear_weights = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+        return max(1, (2 * linear_weights) // (4 * q * CPU_ATTENTION_SLOWDOWN))
+
+    def _num_float_linears(self) -> int:
+        return sum(1 for m in self.model.modules() if isinstance(m, Linear) and (m.weight is not None or m.packed is not None))
+
+    def _dtype_fact(self) -> str:
+        name = str(self.dtype).removeprefix("torch.")
+        if self.config.model.dtype != "auto" or self.device.type != "cpu":
+            return name
+        why = "computes bf16 natively" if self.dtype == torch.bfloat16 else "has no native bf16"
+        return f"{name} (--dtype auto: this CPU {why})"
 
     def fallbacks(self) -> list[str]:
         """Slower paths taken, each to be logged."""
         out = []
         if self.device.type == "cpu":
-            num_float = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.weight is not None)
+            num_float = self._num_float_linears()
             if self.num_packed_linears < num_float:
                 out.append(
                     f"{num_float - self.num_packed_linears} float linear(s) could not be oneDNN-packed and run "
                     "on torch's default GEMM"
                 )
+        if self.device.type == "cpu" and self.ops.backend == "torch" and self.config.kernel.kernel_backend == "auto":
+            from kernels.cpu_kernels import unavailable_reason
+
+            out.append(f"{unavailable_reason()}: attention and the element-wise ops run on the torch reference")
         if self.device.type == "cuda" and self.ops.backend != "triton":
             out.append(f"attention runs on the {self.ops.backend} reference ops on CUDA, not the Triton kernels")
         return out

@@ -49,11 +49,21 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` through a weight packed by `pack_weight` (its only copy, once
+    the dense one is dropped): x of any leading shape, in the weight's dtype."""
+    if x.dim() == 2 and x.is_contiguous():  # the model's case: one call, nothing else per layer
+        return _packed_linear(x, packed, bias)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = _packed_linear(rows, packed, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])  # explicit: -1 cannot be inferred for 0 rows
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
 ) -> torch.Tensor:
-    if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
-        return _packed_linear(x.contiguous(), packed, bias)
+    if packed is not None:
+        return packed_linear(x, packed, bias)
     rows = x.shape[0]
     parts = torch.get_num_threads()
     n, k = weight.shape

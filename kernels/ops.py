@@ -1,8 +1,12 @@
-"""Dispatch: Triton kernels on CUDA, torch reference ops on CPU; `kernel_backend` overrides.
+"""Dispatch: Triton kernels on CUDA, C++ kernels on CPU, torch reference ops where
+neither runs; `kernel_backend` overrides.
 
-- auto: Triton on CUDA, the torch reference on CPU. On CUDA a call whose shapes the
-  kernels do not take (head_dim other than 64/128, GQA ratio over 8) goes to the
+- auto: Triton on CUDA; on CPU the C++ kernels (kernels/cpu_kernels.py: paged attention
+  read in place, the KV write, fused residual-add + RMSNorm and RoPE),
+  or the torch reference where they cannot be built (the engine logs why). On CUDA a call whose shapes the
+  kernels do not take (head_dim other than 64/128/256, GQA ratio over 8) goes to the
   reference instead of failing, so any model still runs (tests' tiny models use head_dim 16).
+- cpu: the C++ kernels (CPU only; an error where they cannot be built).
 - torch: the reference everywhere.
 - triton: the Triton kernels; on CPU they run in the Triton interpreter, which must be
   switched on (TRITON_INTERPRET=1) before the kernel modules are imported: slow but
@@ -20,7 +24,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from kernels import reference
+from kernels import elementwise, reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +36,40 @@ class KernelOps:
     # Entered around one forward pass, whose layers all pass the same metadata tensors:
     # the reference derives its gather indices from them once inside it.
     forward_scope: Callable[[], ContextManager] = contextlib.nullcontext
+    # The element-wise steps of a layer (kernels/elementwise.py): reference or fused.
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = elementwise.add_rms_norm
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = elementwise.silu_and_mul
+    # RoPE in place (qk, cos table, sin table, positions) where the backend has it; None:
+    # the model rotates with torch ops, reusing the step's cos/sin lookups across layers.
+    rotate_qk_: Callable[..., torch.Tensor] | None = None
+
+
+def _cpu_ops() -> KernelOps:
+    from kernels import cpu_kernels
+
+    return KernelOps(
+        backend="cpu",
+        reshape_and_cache=cpu_kernels.reshape_and_cache,
+        paged_attention=cpu_kernels.paged_attention,
+        add_rms_norm=elementwise.cpu_add_rms_norm,
+        rotate_qk_=elementwise.cpu_rotate_qk_,
+    )
 
 
 def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:
-    if kernel_backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"kernel_backend must be auto, torch or triton, got {kernel_backend!r}")
+    if kernel_backend not in ("auto", "cpu", "torch", "triton"):
+        raise ValueError(f"kernel_backend must be auto, cpu, torch or triton, got {kernel_backend!r}")
     device = torch.device(device)
+    if kernel_backend == "cpu" or (kernel_backend == "auto" and device.type == "cpu"):
+        from kernels import cpu_kernels
+
+        if device.type == "cpu" and cpu_kernels.load() is not None:
+            return _cpu_ops()
+        if kernel_backend == "cpu":
+            raise ValueError(
+                "kernel_backend 'cpu' runs Pagoda's C++ CPU kernels: "
+                + (cpu_kernels.unavailable_reason() if device.type == "cpu" else f"not on {device.type}")
+            )
     use_triton = kernel_backend == "triton" or (kernel_backend == "auto" and device.type == "cuda")
     if not use_triton:
         return KernelOps(

@@ -43,12 +43,17 @@ def copy_blocks(
 
 
 class _AttentionPlan:
-    """What a step's metadata says about gathering K/V, built once and reused by every layer."""
+    """What a step's metadata says about gathering K/V for one sliding window (None: full
+    causal), built once and reused by every layer with that window.
+
+    A decode at position p reads only the keys its window sees, p - window < k <= p: the
+    gather starts at `seq_len - window` and is at most `window` long."""
 
     __slots__ = ("starts", "lens", "q_lens", "decode_b", "decode_all", "decode_token_idx",
                  "decode_slots", "decode_max_len", "decode_mask", "decode_first_slot")
 
-    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int):
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                 block_size: int, window: int | None = None):
         self.starts = starts = query_start_loc.tolist()
         self.lens = lens = seq_lens.tolist()
         self.q_lens = q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
@@ -63,33 +68,38 @@ class _AttentionPlan:
         else:
             rows = torch.tensor(decode_seqs)
             self.decode_token_idx = torch.tensor([starts[i] for i in decode_seqs])
-        self.decode_max_len = max_len = max(lens[i] for i in decode_seqs)
+        # Per decode: the first key its window sees and how many keys it reads from there.
+        first = [0 if window is None else max(0, lens[i] - window) for i in decode_seqs]
+        read = [lens[i] - f for i, f in zip(decode_seqs, first)]
+        self.decode_max_len = max_len = max(read)
         # One sequence whose blocks happen to be consecutive in the cache (common: the free
         # list hands out blocks in order) is read in place, without a gather or a mask.
         self.decode_first_slot = None
         if b == 1:
-            blocks = block_tables[decode_seqs[0], : (max_len + block_size - 1) // block_size].tolist()
+            blocks = block_tables[decode_seqs[0], : (lens[decode_seqs[0]] + block_size - 1) // block_size].tolist()
             if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
-                self.decode_first_slot = blocks[0] * block_size
+                self.decode_first_slot = blocks[0] * block_size + first[0]
                 self.decode_mask = None
                 return
-        ctx_lens = seq_lens[rows].to(torch.long)
-        # One flat slot per context position. Positions past a sequence's end read its last
-        # real slot instead (masked below): slots there may hold stale data, even inf/nan,
-        # and 0 * inf would poison the output.
-        positions = torch.minimum(torch.arange(max_len)[None, :], ctx_lens[:, None] - 1)  # [b, ctx]
+        read_lens = torch.tensor(read)
+        # One flat slot per key read. Positions past a sequence's end read its last real
+        # slot instead (masked below): slots there may hold stale data, even inf/nan, and
+        # 0 * inf would poison the output.
+        offsets = torch.minimum(torch.arange(max_len)[None, :], read_lens[:, None] - 1)  # [b, ctx]
+        positions = torch.tensor(first)[:, None] + offsets
         tables = block_tables[rows].long()
         self.decode_slots = (tables.gather(1, positions // block_size) * block_size + positions % block_size).flatten()
-        if min(lens[i] for i in decode_seqs) == max_len:
-            self.decode_mask = None  # every context is max_len long: nothing to mask
+        if min(read) == max_len:
+            self.decode_mask = None  # every decode reads max_len keys: nothing to mask
         else:
-            valid = torch.arange(max_len)[None, :] < ctx_lens[:, None]  # [b, ctx]
+            valid = torch.arange(max_len)[None, :] < read_lens[:, None]  # [b, ctx]
             self.decode_mask = valid[:, None, None, :]
 
 
-# Inside `reuse_attention_plans` (one forward pass), the plan of the metadata tensors last
-# seen is kept: every layer passes the same tensors, so the index arithmetic runs once per
-# step instead of once per layer. Outside it nothing is kept. Per thread.
+# Inside `reuse_attention_plans` (one forward pass), the plans of the metadata tensors last
+# seen are kept, one per sliding window: every layer passes the same tensors, so the index
+# arithmetic runs once per step and window instead of once per layer. Outside it nothing
+# is kept. Per thread.
 _plans = threading.local()
 
 
@@ -103,14 +113,18 @@ def reuse_attention_plans() -> Iterator[None]:
         _plans.active, _plans.entry = outer
 
 
-def _plan_for(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int) -> _AttentionPlan:
+def _plan_for(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
+              window: int | None) -> _AttentionPlan:
     if not getattr(_plans, "active", False):
-        return _AttentionPlan(block_tables, seq_lens, query_start_loc, block_size)
+        return _AttentionPlan(block_tables, seq_lens, query_start_loc, block_size, window)
     entry = _plans.entry
-    if entry is not None and entry[0] is block_tables and entry[1] is seq_lens and entry[2] is query_start_loc and entry[3] == block_size:
-        return entry[4]
-    plan = _AttentionPlan(block_tables, seq_lens, query_start_loc, block_size)
-    _plans.entry = (block_tables, seq_lens, query_start_loc, block_size, plan)
+    if not (entry is not None and entry[0] is block_tables and entry[1] is seq_lens and entry[2] is query_start_loc
+            and entry[3] == block_size):
+        entry = _plans.entry = (block_tables, seq_lens, query_start_loc, block_size, {})
+    by_window = entry[4]
+    plan = by_window.get(window)
+    if plan is None:
+        plan = by_window[window] = _AttentionPlan(block_tables, seq_lens, query_start_loc, block_size, window)
     return plan
 
 
@@ -123,11 +137,14 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of each sequence's new query tokens over its paged context.
 
     Query token i of a sequence with q_len new tokens and seq_len cached tokens sits at
-    position seq_len - q_len + i and attends to positions 0..that position. Decodes
+    position p = seq_len - q_len + i and attends to positions 0..p, or with a
+    `sliding_window` W to p - W < k <= p only (as Hugging Face's sliding window). Decodes
     (q_len == 1) and prefill chunks (q_len > 1, possibly after cached tokens) are the
     same formula; the reference batches the decodes and loops over the rest. Scores and
     softmax run in float32 whatever the input dtype.
@@ -142,7 +159,9 @@ def paged_attention(
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
-    plan = _plan_for(block_tables, seq_lens, query_start_loc, block_size)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    plan = _plan_for(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
     starts, lens = plan.starts, plan.lens
     kv_row = num_kv_heads * head_dim
 
@@ -175,16 +194,25 @@ def paged_attention(
         if q_len == 1 or q_len == 0:
             continue
         ctx = lens[i]
+        # Keys from the first one the chunk's first query sees: 0, or inside its window.
+        first = 0 if sliding_window is None else max(0, ctx - q_len - sliding_window + 1)
         num_blocks = (ctx + block_size - 1) // block_size
-        table = block_tables[i, :num_blocks].long()
-        k = key_cache[table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).float()  # [kv, ctx, d]
-        v = value_cache[table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).float()
+        first_block = first // block_size
+        table = block_tables[i, first_block:num_blocks].long()
+        skip = first - first_block * block_size  # keys of the first block before `first`
+        end = ctx - first_block * block_size
+        k = key_cache[table].view(-1, num_kv_heads, head_dim)[skip:end].transpose(0, 1).float()  # [kv, keys, d]
+        v = value_cache[table].view(-1, num_kv_heads, head_dim)[skip:end].transpose(0, 1).float()
         q = query[starts[i] : starts[i + 1]].transpose(0, 1).float()  # [heads, q_len, d]
-        if q_len == ctx:
+        if q_len == ctx and sliding_window is None:
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)
         else:
-            # After cached tokens: query j sits at position ctx - q_len + j.
-            allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]  # [q_len, ctx]
+            # After cached tokens (or under a window): query j sits at position ctx - q_len + j.
+            key_pos = torch.arange(first, ctx)[None, :]
+            q_pos = torch.arange(ctx - q_len, ctx)[:, None]
+            allowed = key_pos <= q_pos  # [q_len, ctx - first]
+            if sliding_window is not None:
+                allowed &= key_pos > q_pos - sliding_window
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=scale, enable_gqa=True)
         out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1).to(out.dtype)
     return out

@@ -2,7 +2,8 @@
 
 Same semantics and signature as `kernels.reference.paged_attention`: each sequence's q_len
 new query tokens are the last q_len positions of its seq_len cached tokens and attend
-causally to positions 0..their own.
+causally to positions 0..their own, or with a `sliding_window` W a query at p to the keys
+p - W < k <= p only (a per-layer window: Mistral, Qwen2/3, Gemma 3's local layers).
 
 Why one unified kernel (as vLLM's `triton_unified_attention`) rather than a decode kernel
 plus a prefill kernel: the scheduler mixes decodes and prefill chunks in one step under
@@ -23,7 +24,9 @@ batch (which would need the query lengths on the host: a device sync per layer).
   up through the block table. A tile may span several KV blocks (block size 1..TILE_N)
   or part of one (block size > TILE_N), so every power-of-two block size 1..128 is the
   same code and `tl.dot` always sees >= 16 keys. Online softmax in fp32 (exp2, with the
-  scale folded with log2(e)).
+  scale folded with log2(e)). Under a sliding window the loop starts at the tile holding
+  the first key the block's first query sees: tiles wholly before every row's window are
+  never read, so a decode reads O(window) keys, not O(context).
 - Split-K (flash-decoding): a decode batch of few sequences x KV heads cannot fill the
   GPU, one program per (sequence, KV head) streaming a long context alone. Then grid
   axis 2 splits each sequence's key tiles into NUM_SPLITS ranges; each writes its
@@ -52,9 +55,11 @@ from kernels.triton_runtime import check_device_runs_triton
 
 _LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MAX_GQA_RATIO = 8
 MAX_BLOCK_SIZE = 128
+# The kernel's window when there is none: wider than any context (q_pos - it stays in int32).
+_NO_WINDOW = 2**31 - 1
 
 
 @triton.jit
@@ -94,6 +99,7 @@ def _paged_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_seqs,
     num_heads,
+    sliding_window,  # a query at p sees keys p - sliding_window < k <= p (_NO_WINDOW: all of 0..p)
     stride_q_token: tl.int64,
     stride_q_head: tl.int64,
     stride_o_token: tl.int64,
@@ -135,18 +141,21 @@ def _paged_attention_kernel(
     head64 = head.to(tl.int64)
     q_offs = token[:, None] * stride_q_token + head64[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(query_ptr + q_offs, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
-    q_pos = context_len + q_local  # [BLOCK_M] absolute position: sees keys 0..q_pos
+    q_pos = context_len + q_local  # [BLOCK_M] absolute position: sees keys q_pos - window < k <= q_pos
 
-    # Keys any row of this block sees: 0 .. the position of its last query token.
+    # Keys any row of this block sees: from the first one its first query's window holds
+    # to the position of its last query token.
     last_q_local = tl.minimum((q_block_local + 1) * BLOCK_Q, q_len) - 1
     num_keys = context_len + last_q_local + 1
+    first_key = tl.maximum(context_len + q_block_local * BLOCK_Q - sliding_window + 1, 0)
+    first_tile = first_key // TILE_N
     num_tiles = tl.cdiv(num_keys, TILE_N)
     if USE_SPLIT_K:
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_start = split * tiles_per_split
+        tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+        tile_start = first_tile + split * tiles_per_split
         tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
     else:
-        tile_start = 0
+        tile_start = first_tile
         tile_end = num_tiles
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -164,6 +173,7 @@ def _paged_attention_kernel(
         k = tl.load(key_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=key_valid[None, :], other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        visible = visible & (key_pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps max -inf; subtract 0 so exp2 gives 0, not nan.
@@ -181,7 +191,7 @@ def _paged_attention_kernel(
         tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
         tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
     else:
-        o = acc / l_i[:, None]  # every valid row saw key 0, so l_i >= 1
+        o = acc / l_i[:, None]  # every valid row saw its own position's key, so l_i >= 1
         o_offs = token[:, None] * stride_o_token + head64[:, None] * stride_o_head + offs_d[None, :]
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
@@ -205,8 +215,8 @@ def _merge_splits_kernel(
     part = (token * num_heads + head) * NUM_SPLITS + offs_s  # [NUM_SPLITS]
     m = tl.load(partial_max_ptr + part)
     l = tl.load(partial_sum_ptr + part)
-    # Split 0 always holds key 0, which every query sees, so the max is finite; a split with
-    # no visible key has max -inf and weight 0.
+    # Some split holds the query's own position, which it always sees, so the max is
+    # finite; a split with no visible key has max -inf and weight 0.
     m_max = tl.max(m, 0)
     w = tl.exp2(m - m_max)
     denom = tl.sum(l * w, 0)
@@ -234,8 +244,12 @@ class AttentionConfig:
 _TILE_TABLE: dict[tuple[bool, int], tuple[int, int, int]] = {
     (True, 64): (16, 64, 4),
     (True, 128): (16, 32, 4),
+    (True, 256): (16, 32, 4),
     (False, 64): (64, 64, 4),
     (False, 128): (64, 32, 4),
+    # head_dim 256 (Gemma 3): half the query rows, so the fp32 accumulator [rows, 256]
+    # stays in registers at 4 warps.
+    (False, 256): (32, 32, 4),
 }
 # Split-K until (sequences x KV heads x splits) reaches about 4 programs per SM of an
 # H100/H200 (132 SMs), keeping >= _MIN_KEYS_PER_SPLIT keys per split. Fixed numbers, not the
@@ -252,7 +266,8 @@ def choose_config(
     """Config from shapes alone (no device sync, no autotuning; memoised per shape).
 
     `max_context` is the block table's width x block size: an upper bound of every
-    sequence's length, known without reading seq_lens.
+    sequence's length, known without reading seq_lens (the caller caps it at the sliding
+    window: the keys one query reads).
     """
     decode_only = num_tokens == num_seqs
     block_m, tile_n, num_warps = _TILE_TABLE[(decode_only, head_dim)]
@@ -283,8 +298,11 @@ def check_paged_attention_args(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     out: torch.Tensor,
+    sliding_window: int | None = None,
 ) -> None:
     """Shapes, dtypes, layouts and devices; raises ValueError (values are not read)."""
+    if sliding_window is not None and not 1 <= sliding_window < _NO_WINDOW:
+        raise ValueError(f"sliding_window must be in [1, {_NO_WINDOW}) or None, got {sliding_window}")
     if query.dim() != 3 or key_cache.dim() != 4:
         raise ValueError(
             f"query must be [num_tokens, num_heads, head_dim] and key_cache [num_blocks, block_size, "
@@ -300,7 +318,9 @@ def check_paged_attention_args(
         if t.dtype != query.dtype:
             raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
     if head_dim not in SUPPORTED_HEAD_DIMS or cache_head_dim != head_dim:
-        raise ValueError(f"head_dim must be 64 or 128 in query and caches, got {head_dim} and {cache_head_dim}")
+        raise ValueError(
+            f"head_dim must be one of {SUPPORTED_HEAD_DIMS} in query and caches, got {head_dim} and {cache_head_dim}"
+        )
     if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {block_size}")
     if num_kv_heads < 1 or num_heads % num_kv_heads or not 1 <= num_heads // num_kv_heads <= MAX_GQA_RATIO:
@@ -348,13 +368,17 @@ def launch_paged_attention(
     partial_out: torch.Tensor | None = None,  # [num_tokens, num_heads, num_splits, head_dim] fp32
     partial_max: torch.Tensor | None = None,  # [num_tokens, num_heads, num_splits] fp32
     partial_sum: torch.Tensor | None = None,  # [num_tokens, num_heads, num_splits] fp32
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention with an explicit config and optional caller-owned split-K scratch.
 
     For tests (forcing split-K on any batch), benchmarks and callers that preallocate
     scratch (CUDA graphs); `paged_attention` picks the config itself.
     """
-    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
+    check_paged_attention_args(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, sliding_window
+    )
     group = query.shape[1] // key_cache.shape[2]
     c = config
     if not (_is_power_of_two(c.block_m) and c.block_m >= max(16, group)):
@@ -374,7 +398,7 @@ def launch_paged_attention(
                 raise ValueError(f"{name} must be a contiguous float32 tensor of shape {want} on {query.device}")
     return _launch(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, config,
-        partial_out, partial_max, partial_sum,
+        partial_out, partial_max, partial_sum, sliding_window,
     )
 
 
@@ -391,6 +415,7 @@ def _launch(
     partial_out: torch.Tensor | None = None,
     partial_max: torch.Tensor | None = None,
     partial_sum: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Grid and launch of already-checked arguments."""
     num_tokens, num_heads, head_dim = query.shape
@@ -426,6 +451,7 @@ def _launch(
         qk_scale=scale * _LOG2E,
         num_seqs=num_seqs,
         num_heads=num_heads,
+        sliding_window=_NO_WINDOW if sliding_window is None else sliding_window,
         stride_q_token=query.stride(0),
         stride_q_head=query.stride(1),
         stride_o_token=out.stride(0),
@@ -471,11 +497,15 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    *,
+    sliding_window: int | None = None,  # a query at p sees keys p - sliding_window < k <= p
 ) -> torch.Tensor:
     """`kernels.reference.paged_attention` in Triton, config from `choose_config`."""
     if out is None:
         out = torch.empty_like(query)
-    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
+    check_paged_attention_args(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, sliding_window
+    )
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     config = choose_config(
@@ -484,6 +514,9 @@ def paged_attention(
         num_kv_heads=num_kv_heads,
         gqa_ratio=num_heads // num_kv_heads,
         head_dim=head_dim,
-        max_context=block_tables.shape[1] * block_size,
+        max_context=min(block_tables.shape[1] * block_size, sliding_window or _NO_WINDOW),
     )
-    return _launch(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, config)
+    return _launch(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, config,
+        sliding_window=sliding_window,
+    )

@@ -15,7 +15,7 @@ import triton.language as tl
 from kernels.triton_runtime import check_device_runs_triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MAX_BLOCK_SIZE = 128
 
 
@@ -84,7 +84,7 @@ def check_reshape_and_cache_args(
         )
     if head_dim not in SUPPORTED_HEAD_DIMS or (cache_kv_heads, cache_head_dim) != (num_kv_heads, head_dim):
         raise ValueError(
-            f"head_dim must be 64 or 128 and key [.., {num_kv_heads}, {head_dim}] must match the cache's "
+            f"head_dim must be 64, 128 or 256 and key [.., {num_kv_heads}, {head_dim}] must match the cache's "
             f"[.., {cache_kv_heads}, {cache_head_dim}]"
         )
     if block_size < 1 or block_size & (block_size - 1) or block_size > MAX_BLOCK_SIZE:

@@ -19,11 +19,16 @@ PROMPT = "Write a short story about a robot who learns to paint."
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Parameters + buffers, each tensor once (tied embeddings), without the RoPE tables."""
+    """Parameters + buffers, each tensor once (tied embeddings), without the RoPE tables,
+    plus the oneDNN-packed weights of float linears (their only copy on CPU)."""
     seen: dict[int, int] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if not name.startswith("rope."):
             seen[id(t)] = t.numel() * t.element_size()
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            seen[id(packed)] = packed.numel() * packed.element_size()
     return sum(seen.values())
 
 

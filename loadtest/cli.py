@@ -33,7 +33,7 @@ import httpx
 from loadtest import compat, report
 from loadtest.client import RequestParams
 from loadtest.datasets import DATASETS, BenchRequest, DatasetSpec, LengthRange, TextSource, build_dataset
-from loadtest.machine import OtherCpu
+from loadtest.machine import OtherCpu, session_memory_mib
 from loadtest.plots import RunSeries, plot_all
 from loadtest.progress import PROGRESS_KINDS, make_progress
 from loadtest.runner import LoadSpec, run_load
@@ -55,10 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--dtype", help="--dtype for every started server (e.g. float32); default: each server's own")
     g.add_argument("--server-args", default="", help="extra flags for the started pagoda, one string")
-    g.add_argument("--peers", action="store_true", help="also start each locally installed peer and compare")
+    g.add_argument("--peers", nargs="?", const="all", default=None, metavar="all|NAMES",
+                   help="also start each locally installed peer and compare; or only those named, comma-separated, "
+                   "from: vllm, transformers, llama.cpp")
     g.add_argument("--transformers-args", default="", help="extra flags for `transformers serve`, one string "
                    "(e.g. '--cb-num-blocks 512'; by default it sizes its KV cache from free RAM)")
     g.add_argument("--llama-cpp-args", default="", help="extra flags for llama-cpp-python's server, one string")
+    g.add_argument("--vllm-python", help="the Python of a venv with vLLM's CPU build: adds it as a peer "
+                   "(default: $PAGODA_VLLM_PYTHON; README: the recipe)")
+    g.add_argument("--vllm-args", default="", help="extra flags for vLLM's api_server, one string")
     g.add_argument("--gguf", type=Path, help="GGUF file for llama-cpp-python's server (default: the bundled model's)")
     g.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a started server has to become ready")
 
@@ -279,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         targets.append((ns.name or "pagoda", pagoda_spec(model_path, ns.dtype, shlex.split(ns.server_args)), None))
     skipped: list[dict] = []
     if ns.peers:
-        for peer in peer_specs(model_path, ns.dtype, ns.gguf, shlex.split(ns.transformers_args), shlex.split(ns.llama_cpp_args)):
+        for peer in peer_specs(model_path, ns.dtype, ns.gguf, shlex.split(ns.transformers_args), shlex.split(ns.llama_cpp_args),
+                               ns.vllm_python, shlex.split(ns.vllm_args)):
+            if ns.peers != "all" and not any(w.strip().lower() in peer.name.lower() for w in ns.peers.split(",")):
+                continue
             if isinstance(peer, Skipped):
                 print(f"[loadtest] peer {peer.name}: skipped: {peer.reason}", file=sys.stderr, flush=True)
                 skipped.append({"name": peer.name, "reason": peer.reason})
@@ -302,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                 launched.wait_ready(ns.startup_timeout)
                 entry["url"] = launched.url
                 entry["startup_s"] = round(time.monotonic() - t0, 1)
+                entry["memory_mib_after_start"] = _rounded(session_memory_mib(launched.proc.pid))
             asyncio.run(bench_server(entry, entry["url"], server_spec.model if server_spec else None,
                                      launched.proc.pid if launched else None,
                                      levels, datasets, warmups, probe, ns, slos, series))
@@ -310,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[loadtest] {name}: {e}", file=sys.stderr, flush=True)
         finally:
             if launched is not None:
+                entry["memory_mib_after_run"] = _rounded(session_memory_mib(launched.proc.pid))
                 launched.stop()
 
     doc = {
@@ -335,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"[loadtest] wrote {json_path}, {md_path}" + "".join(f", {p['path']}" for p in doc["plots"]), file=sys.stderr)
     return 1 if servers[0]["error"] else 0
+
+
+def _rounded(mib: float | None) -> float | None:
+    return None if mib is None else round(mib, 1)
 
 
 def _command_line(argv: list[str]) -> str:

@@ -54,3 +54,29 @@ class OtherCpu:
             return None
         busy, own, server, wall = (e - s for e, s in zip(end, self._start))
         return max(0.0, busy - own - server) / wall if wall > 0 else None
+
+
+def session_memory_mib(session_id: int) -> float | None:
+    """Proportional set size (PSS, MiB) of every process in session `session_id`: a server
+    started by loadtest/processes.py leads its own session, so this is the server with all
+    its workers (vLLM's engine core and worker processes, Pagoda's tensor-parallel ranks).
+    PSS splits pages shared between them, so shared libraries and shared memory count once.
+    None where /proc has no smaps_rollup."""
+    total_kib, found = 0, False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                after_name = f.read().rsplit(")", 1)[1].split()
+            if int(after_name[3]) != session_id:  # field 6 of stat: the session id
+                continue
+            with open(f"/proc/{entry}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total_kib += int(line.split()[1])
+                        found = True
+                        break
+        except (OSError, IndexError, ValueError):
+            continue
+    return total_kib / 1024 if found else None

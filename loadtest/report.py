@@ -115,6 +115,10 @@ def _server_section(server: dict, with_goodput: bool) -> list[str]:
     lines = [f"### {server['name']}", ""]
     if server.get("command"):
         lines += [f"Started as `{server['command']}`" + (f" (ready in {server['startup_s']} s)." if server.get("startup_s") else "."), ""]
+    memory = [(when, server.get(f"memory_mib_after_{when}")) for when in ("start", "run")]
+    if any(mib is not None for _, mib in memory):
+        lines += ["Resident memory (PSS of all its processes): "
+                  + ", ".join(f"{mib:.0f} MiB after {when}" for when, mib in memory if mib is not None) + ".", ""]
     if server.get("request_note"):
         lines += [f"Requests: {server['request_note']}."]
         for rejected in server.get("rejected") or ():

@@ -10,6 +10,13 @@ answers 200. Peers, on the same model files as Pagoda:
   without one), so requests name the folder as the model.
 - llama-cpp-python's server (``python -m llama_cpp.server``) on the model's GGUF file,
   when ``llama_cpp`` is importable and a GGUF file is found.
+- vLLM's CPU build (``python -m vllm.entrypoints.openai.api_server``) on the model folder,
+  when its Python is given (``--vllm-python`` or ``PAGODA_VLLM_PYTHON``): it lives in a venv
+  of its own (its torch differs from Pagoda's; the README's benchmark section has the
+  recipe). Its KV cache is sized to Pagoda's CPU default (2 GiB), its intel OpenMP is
+  preloaded as its CPU build requires, and it compiles at start (about two minutes here).
+  Its worker processes spin while idle: it is stopped (its whole session) before the next
+  server starts, as every server is.
 
 A peer that is not installed, or not runnable here, is skipped with the reason.
 """
@@ -120,6 +127,32 @@ def llama_cpp_spec(gguf_path: Path | None, extra_args: list[str] = ()) -> Server
     return ServerSpec(name, cmd, model=gguf_path.stem, ready_paths=("/v1/models",))
 
 
+VLLM_PYTHON_ENV = "PAGODA_VLLM_PYTHON"
+
+
+def vllm_spec(model_path: Path, dtype: str | None, python: str | None, extra_args: list[str] = (),
+              max_model_len: int = 2048) -> ServerSpec | Skipped:
+    name = "vLLM CPU"
+    python = python or os.environ.get(VLLM_PYTHON_ENV)
+    if not python:
+        return Skipped(name, f"no vLLM Python given (--vllm-python PATH or {VLLM_PYTHON_ENV})")
+    exe = Path(python)
+    if not exe.is_file():
+        return Skipped(name, f"{python} is not a file")
+    probe = subprocess.run([str(exe), "-c", "import importlib.util as u; print(u.find_spec('vllm') is not None)"],
+                           capture_output=True, text=True, timeout=60)
+    if probe.stdout.strip() != "True":
+        return Skipped(name, f"{python} cannot import vllm")
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    iomp = exe.parent.parent / "lib" / "libiomp5.so"
+    if iomp.is_file():
+        env["LD_PRELOAD"] = str(iomp)
+    cmd = [str(exe), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+           "--host", "127.0.0.1", "--port", PORT, "--max-model-len", str(max_model_len),
+           "--dtype", dtype or "bfloat16", "--disable-uvicorn-access-log", *extra_args]
+    return ServerSpec(name, cmd, model=str(model_path), env=env, ready_paths=("/health",))
+
+
 def default_gguf(model_path: Path | None) -> Path | None:
     """A GGUF file in the model folder, or the bundled model's own GGUF."""
     if model_path is not None and model_path.is_dir():
@@ -140,6 +173,8 @@ def default_gguf(model_path: Path | None) -> Path | None:
 
 
 def peer_specs(model_path: Path, dtype: str | None, gguf_path: Path | None,
-               transformers_args: list[str] = (), llama_cpp_args: list[str] = ()) -> list[ServerSpec | Skipped]:
+               transformers_args: list[str] = (), llama_cpp_args: list[str] = (),
+               vllm_python: str | None = None, vllm_args: list[str] = ()) -> list[ServerSpec | Skipped]:
     return [transformers_spec(model_path, dtype, transformers_args),
-            llama_cpp_spec(gguf_path or default_gguf(model_path), llama_cpp_args)]
+            llama_cpp_spec(gguf_path or default_gguf(model_path), llama_cpp_args),
+            vllm_spec(model_path, dtype, vllm_python, vllm_args)]

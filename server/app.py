@@ -32,9 +32,11 @@ from server.errors import (
 from server.metrics import Metrics
 from server.openapi import install_openapi
 from server.protocol import DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse
+from server.response_store import ResponseStore, key_owner
 from server.serving import OpenAIServing, json_response, read_request
 from server.serving_chat import ChatServing, render_chat
 from server.serving_completion import CompletionServing
+from server.serving_responses import OWNER_STATE, ResponsesServing
 
 __all__ = ["ServerConfig", "build_app", "pagoda_version"]
 
@@ -57,6 +59,8 @@ class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.api_key = api_key.encode()
+        # Whom the key's requests act for (stored responses are visible to their owner only).
+        self.owner = key_owner(api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -70,6 +74,7 @@ class APIKeyMiddleware:
         scheme, _, token = given.partition(b" ")
         # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+            scope.setdefault("state", {})[OWNER_STATE] = self.owner
             await self.app(scope, receive, send)
             return
         message = "missing API key: send 'Authorization: Bearer KEY'" if not given else "incorrect API key provided"
@@ -141,6 +146,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, metrics: 
     serving = OpenAIServing(engine, config, metrics)
     completion_serving = CompletionServing(serving)
     chat_serving = ChatServing(serving)
+    responses_serving = ResponsesServing(
+        serving, chat_serving, ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -165,6 +173,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, metrics: 
     @app.post("/v1/chat/completions")
     async def chat_completions_route(request: Request) -> Response:
         return await chat_serving.create_chat_completion(request)
+
+    @app.post("/v1/responses")
+    async def responses_route(request: Request) -> Response:
+        return await responses_serving.create_response(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def response_route(request: Request, response_id: str) -> Response:
+        return responses_serving.get_response(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response_route(request: Request, response_id: str) -> Response:
+        return responses_serving.delete_response(request, response_id)
 
     @app.get("/v1/models")
     async def models_route() -> Response:

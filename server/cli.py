@@ -85,6 +85,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grammar-compile-timeout", type=float, default=defaults.grammar_compile_timeout_s)
     parser.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=list(TOOL_PARSERS))
     parser.add_argument("--chat-template", default=defaults.chat_template)
+    parser.add_argument("--responses-store-size", type=int, default=defaults.responses_store_size)
+    parser.add_argument("--responses-store-ttl", type=float, default=defaults.responses_store_ttl_s)
     parser.add_argument("--log-level", default="info", choices=list(LOG_LEVELS), help="uvicorn's log level.")
     parser.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     parser.add_argument("--config", default=None, help="YAML file of flag values (or a preset name from configs/)")
@@ -196,6 +198,8 @@ def run_serve(ns: argparse.Namespace) -> int:
             grammar_compile_timeout_s=ns.grammar_compile_timeout,
             tool_call_parser=ns.tool_call_parser,
             chat_template=ns.chat_template,
+            responses_store_size=ns.responses_store_size,
+            responses_store_ttl_s=ns.responses_store_ttl,
         )
         if ns.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {ns.max_waiting_requests}")

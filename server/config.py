@@ -34,6 +34,10 @@ class ServerConfig:
     """How tool calls are read from the model's text: hermes (`<tool_call>{"name", "arguments"}</tool_call>`, the bundled model's server-side tool prompt) or llama3_json."""
     chat_template: str | None = None
     """A Jinja chat-template file that replaces the model's own (e.g. one with a tools branch)."""
+    responses_store_size: int = 1024
+    """Responses kept for `previous_response_id` and `GET /v1/responses/{id}` (with `store`, OpenAI's default); past it the least recently used goes first (0: keep none)."""
+    responses_store_ttl_s: float = 3600.0
+    """Seconds a stored response is kept after its last use (creation, lookup or continuation)."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -50,5 +54,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0 (or none), got {value}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
+        if not self.responses_store_ttl_s > 0:
+            raise ValueError(f"responses_store_ttl_s must be > 0, got {self.responses_store_ttl_s}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")

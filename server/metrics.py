@@ -27,6 +27,8 @@ from engine.stats import StepStats
 PREFIX = "pagoda:"
 
 FINISH_REASONS = ("stop", "length", "abort")
+ENDPOINTS = ("completions", "chat_completions", "responses")
+"""The `endpoint` label of the per-endpoint series."""
 
 # Bucket boundaries as in vLLM (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = [
@@ -152,7 +154,45 @@ class Metrics:
         self.grammar_compile_failures = counter(
             "grammar_compile_failures", "Grammars that failed to compile (invalid, or past a limit).")
 
+        # Per HTTP endpoint (completions, chat_completions, responses): the engine's series
+        # above cannot tell which API a request came through.
+        endpoint_labels = ["model_name", "endpoint"]
+        self._endpoint_requests = Counter(
+            PREFIX + "endpoint_requests", "Finished engine requests by endpoint and finish reason.",
+            ["model_name", "endpoint", "finished_reason"], registry=reg)
+        self._endpoint_prompt_tokens = Counter(
+            PREFIX + "endpoint_prompt_tokens", "Prompt tokens of finished requests, by endpoint.",
+            endpoint_labels, registry=reg)
+        self._endpoint_generation_tokens = Counter(
+            PREFIX + "endpoint_generation_tokens", "Generated tokens of finished requests, by endpoint.",
+            endpoint_labels, registry=reg)
+        self._endpoint_latency = Histogram(
+            PREFIX + "endpoint_e2e_request_latency_seconds", "Arrival to last token, seconds, by endpoint.",
+            endpoint_labels, registry=reg, buckets=REQUEST_LATENCY_BUCKETS)
+        for endpoint in ENDPOINTS:  # expose zeros from the start
+            self._endpoint_prompt_tokens.labels(model_name, endpoint)
+            self._endpoint_generation_tokens.labels(model_name, endpoint)
+
+        # The Responses API's store.
+        self.responses_stored = gauge(
+            "responses_stored", "Responses kept for previous_response_id and GET /v1/responses/{id}.")
+        self.responses_store_bytes = gauge(
+            "responses_store_bytes", "Size of the stored responses and their conversations as JSON, bytes.")
+
     # --- recording -------------------------------------------------------------------
+
+    def record_endpoint_request(
+        self, endpoint: str, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int, latency_s: float
+    ) -> None:
+        """One engine request that ended (finished or aborted), by the endpoint it came through."""
+        self._endpoint_requests.labels(self.model_name, endpoint, finish_reason).inc()
+        self._endpoint_prompt_tokens.labels(self.model_name, endpoint).inc(num_prompt_tokens)
+        self._endpoint_generation_tokens.labels(self.model_name, endpoint).inc(num_generation_tokens)
+        self._endpoint_latency.labels(self.model_name, endpoint).observe(latency_s)
+
+    def set_response_store(self, num_entries: int, num_bytes: int) -> None:
+        self.responses_stored.set(num_entries)
+        self.responses_store_bytes.set(num_bytes)
 
     def on_step(self, stats: StepStats) -> None:
         """Record one engine step (or abort report). Called from the engine-loop thread."""

@@ -186,14 +186,26 @@ class Admission:
 
 
 async def _admitted(
-    gen: AsyncIterator[RequestOutput], admission: Admission, n: int, num_tokens: int
+    gen: AsyncIterator[RequestOutput], admission: Admission, n: int, num_tokens: int,
+    on_end: Callable[[str, int], None] | None = None,
 ) -> AsyncIterator[RequestOutput]:
+    """The engine stream; once it ends (finished, or closed early: "abort"), `on_end` gets
+    its finish reason and the tokens its samples generated."""
     # Hand the places to the engine in the same synchronous run as generate()'s own
     # capacity check (which happens at its first __anext__), so nothing runs in between.
     admission.release(n, num_tokens)
-    async with aclosing(gen):
-        async for out in gen:
-            yield out
+    finish_reason = "abort"
+    num_generated: dict[int, int] = {}
+    try:
+        async with aclosing(gen):
+            async for out in gen:
+                for c in out.outputs:
+                    num_generated[c.index] = len(c.token_ids)
+                    finish_reason = c.finish_reason or finish_reason
+                yield out
+    finally:
+        if on_end is not None:
+            on_end(finish_reason, sum(num_generated.values()))
 
 
 async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -436,12 +448,18 @@ class OpenAIServing:
         return None if timeout is None else arrival + timeout
 
     def start_streams(
-        self, request_id: str, prompts: list[PromptInput], cache_salt: str | None, admission: Admission, arrival: float
+        self, request_id: str, prompts: list[PromptInput], cache_salt: str | None, admission: Admission, arrival: float,
+        endpoint: str,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The merged engine streams of all prompts; they start when first iterated, taking
         their places from `admission` (which the caller releases once done, in case they
-        never started)."""
+        never started). Each stream's end is counted under `endpoint` in the metrics."""
         deadline = self.deadline(arrival)
+
+        def on_end(num_prompt_tokens: int) -> Callable[[str, int], None]:
+            return lambda reason, num_generated: self.metrics.record_endpoint_request(
+                endpoint, reason, num_prompt_tokens, num_generated, time.monotonic() - arrival)
+
         gens = [
             _admitted(
                 self.engine.generate(
@@ -450,6 +468,7 @@ class OpenAIServing:
                 admission,
                 p.params.n,
                 len(p.token_ids),
+                on_end(len(p.token_ids)),
             )
             for i, p in enumerate(prompts)
         ]
@@ -469,20 +488,26 @@ class OpenAIServing:
         # The engine streams end only when every sample finished, so none is left None.
         return finals, results  # type: ignore[return-value]
 
-    async def sse_events(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """`events`, then `[DONE]`. After the headers an error can only be an event; a
-        client that leaves before the end counts as a disconnect."""
+    async def sse_events(
+        self, events: AsyncIterator[bytes], done: bytes = SSE_DONE,
+        error_event: Callable[[BaseException], bytes] = sse_error_event,
+    ) -> AsyncIterator[bytes]:
+        """`events`, then `done` (`[DONE]`; the Responses API sends nothing). After the
+        headers an error can only be an event (`error_event`); a client that leaves before
+        the end counts as a disconnect."""
         completed = False
         try:
             async with aclosing(events):
                 async for event in events:
                     yield event
             completed = True
-            yield SSE_DONE
+            if done:
+                yield done
         except Exception as e:  # noqa: BLE001 - after the headers, errors can only be events
             completed = True
-            yield sse_error_event(e)
-            yield SSE_DONE
+            yield error_event(e)
+            if done:
+                yield done
         finally:
             if not completed:
                 self.metrics.record_client_disconnect()

@@ -44,6 +44,7 @@ from server.protocol import (
     structured_output_spec,
 )
 from server.serving import (
+    Admission,
     OpenAIServing,
     PromptInput,
     PromptResult,
@@ -92,6 +93,11 @@ def render_chat(
     """The prompt's token ids: the messages (and tools) through the chat template."""
     conversation = [m.for_template() for m in messages]
     template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:  # e.g. a base model's GGUF file: completions work, chat needs a template
+        raise InvalidRequestError(
+            "this model has no chat template: start the server with --chat-template FILE, or use /v1/completions",
+            param="messages",
+        )
     conversation, tools_arg = prepare_conversation(conversation, tools, template_supports_tools(template))
     try:
         text = tokenizer.apply_chat_template(
@@ -123,16 +129,11 @@ class ChatServing:
         serving = self.serving
         req = await read_request(request, ChatCompletionRequest, serving.config.max_body_bytes)
         serving.check_model(req.model)
-        tools = _request_tools(req)
-        spec, kind = self._output_constraint(req, tools)
+        tools, admission, prompt = await self.admit_prompt(req)
         top_k = req.top_logprobs or 0
-        params = serving.sampling_params(req, req.output_limit, top_k if req.logprobs else None, structured_output=spec)
-        await serving.prepare_structured_output(spec, kind)
-        admission = serving.admit(req.n)
-        [prompt] = await serving.tokenize(admission, self._tokenize, req, params, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = serving.start_streams(request_id, [prompt], req.cache_salt, admission, arrival)
+        stream = serving.start_streams(request_id, [prompt], req.cache_salt, admission, arrival, "chat_completions")
         if req.stream:
             events = self._stream(req, tools, request_id, created, prompt, stream)
             return sse_response(serving.sse_events(events), admission)
@@ -159,6 +160,20 @@ class ChatServing:
             usage=serving.usage([prompt], results, num_completion_tokens),
         )
         return json_response(response)
+
+    async def admit_prompt(self, req: ChatCompletionRequest) -> tuple[_Tools, Admission, PromptInput]:
+        """What a chat-shaped request (chat, or a Responses request turned into one) goes
+        through before its stream starts: its tools, its grammar (compiled here, so a bad one
+        is a 400), its sampling params, its queue places, then its rendered prompt's tokens."""
+        serving = self.serving
+        tools = _request_tools(req)
+        spec, kind = self._output_constraint(req, tools)
+        top_k = req.top_logprobs or 0
+        params = serving.sampling_params(req, req.output_limit, top_k if req.logprobs else None, structured_output=spec)
+        await serving.prepare_structured_output(spec, kind)
+        admission = serving.admit(req.n)
+        [prompt] = await serving.tokenize(admission, self._tokenize, req, params, tools)
+        return tools, admission, prompt
 
     def _output_constraint(self, req: ChatCompletionRequest, tools: _Tools) -> tuple[StructuredOutputSpec | None, str | None]:
         """The grammar the reply must follow, and its kind for the metrics: the tool-call

@@ -92,7 +92,7 @@ class CompletionServing:
         prompts = await serving.tokenize(admission, self._tokenize, req.prompts, req.echo, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = serving.start_streams(request_id, prompts, req.cache_salt, admission, arrival)
+        stream = serving.start_streams(request_id, prompts, req.cache_salt, admission, arrival, "completions")
         if req.stream:
             events = self._stream(req, request_id, created, prompts, stream)
             return sse_response(serving.sse_events(events), admission)

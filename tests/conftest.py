@@ -17,6 +17,7 @@ SLOW_TESTS = {
     "tests/kernels/test_triton_cache.py::test_writes_exactly_the_mapped_slots": "Triton interpreter: 144 cases",
     "tests/kernels/test_kernel_dispatch.py::test_import_is_cheap_and_the_interpreter_can_be_switched_on_late":
         "fresh interpreters",
+    "tests/engine/test_tensor_parallel.py::test_tp2_equals_tp1_for_other_architectures": "spawns a worker rank per case",
     "tests/engine/test_cuda_graphs.py::test_padded_decode_equals_hf_with_preemption_chunked_prefill_and_shrinking_batches":
         "long generations, on the Triton interpreter too",
     "tests/quantization/test_quantize.py::test_cli_writes_a_folder_and_rejects_bad_combinations": "`pagoda quantize` twice",
@@ -24,6 +25,15 @@ SLOW_TESTS = {
     "tests/loadtest/test_bench_structured.py::test_quick_run_prints_the_table_and_checks_its_outputs": "a benchmark run",
     "tests/loadtest/test_bench_engine_gpu.py::test_bench_imports_without_the_server_packages": "a fresh interpreter",
     "tests/ops/test_configs.py::test_pagoda_serve_h200_preset_gets_as_far_as_the_model_folder": "`pagoda serve` starts",
+    "tests/gguf/test_gguf_models.py::test_float_gguf_gives_the_original_models_greedy_tokens":
+        "tiny GGUF models through LLM and transformers generate",
+    "tests/gguf/test_gguf_models.py::test_quantized_gguf_dequantized_gives_transformers_greedy_tokens":
+        "tiny GGUF models through LLM and transformers' GGUF loader",
+    "tests/gguf/test_gemma3_gguf.py": "the real Gemma 3 270M GGUF (opt-in: make test-gguf-gemma)",
+    "tests/gguf/test_gguf_models.py::test_quantized_gguf_keeps_integers_and_stays_close[Q4_0]":
+        "a tiny GGUF file per type (Q4_1 stays in the fast tier)",
+    "tests/gguf/test_gguf_models.py::test_quantized_gguf_keeps_integers_and_stays_close[Q8_0]":
+        "a tiny GGUF file per type (Q4_1 stays in the fast tier)",
 }
 
 

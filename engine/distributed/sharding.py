@@ -5,8 +5,12 @@ Rank r of N holds, in every decoder layer:
 - qkv_proj (column-parallel): the rows of its H/N query heads and of their KV heads -
   KV/N heads, or, when the model has fewer KV heads than ranks (N a multiple of KV), the
   one KV head its query heads share, replicated on N/KV ranks;
+  its biases (Qwen2's q/k/v) the same rows; q/k norms (Qwen3, Gemma 3) are one weight of
+  head_dim that every head shares, so every rank keeps all of it;
 - gate_up_proj (column-parallel): rows [r I/N, (r+1) I/N) of gate and the same of up;
-- o_proj, down_proj (row-parallel): the matching input columns, summed by one all-reduce;
+- o_proj, down_proj (row-parallel): the matching input columns, summed by one all-reduce
+  (a bias added once, after the sum);
+- every norm (2 per layer, 4 in Gemma 3) and the per-layer sliding windows: replicated;
 - the KV cache of its KV heads only;
 
 and rows [r V', (r+1) V') of the embedding table and LM head, V' = ceil(V / N).

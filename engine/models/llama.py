@@ -1,22 +1,21 @@
-"""Llama-family decoder in plain torch over a flattened (varlen) batch of tokens.
+"""Llama-family decoder in plain torch over a flattened (varlen) batch of tokens, and the
+building blocks the other architectures (engine/models/) share.
 
 RMSNorm, RoPE (default / linear / llama3 scaling), grouped-query attention through the
-paged-KV ops in `kernels/`, SwiGLU MLP, tied or untied embeddings. transformers is used
-for the config only, never for the forward pass.
+paged-KV ops in `kernels/` (optional q/k norms and per-layer sliding window), gated MLP,
+tied or untied embeddings. transformers is used for the config only, never for the
+forward pass.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from kernels.linear import linear, pack_weight
+from engine.models.args import ModelArgs, rope_inv_freq
+from kernels.linear import linear, pack_weight, packed_linear
 from kernels.ops import KernelOps
 
 # Checkpoint tensors that load into a slice of a fused parameter: (fused name, shard index).
@@ -27,79 +26,6 @@ STACKED_PARAMS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-
-
-@dataclass(slots=True)
-class ModelArgs:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    @classmethod
-    def from_hf_config(cls, cfg: Any) -> "ModelArgs":
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # transformers 5 keeps theta and scaling in `rope_parameters`; older configs use
-        # `rope_theta` + `rope_scaling`.
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        legacy = getattr(cfg, "rope_scaling", None)
-        if legacy:
-            rope = {**legacy, **rope}
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(cfg, "attention_bias", False)),
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-        )
-
-
-def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the attention scaling factor, as transformers computes them."""
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = args.rope_scaling
-    if scaling is None:
-        return inv_freq, 1.0
-    rope_type = scaling["rope_type"]
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"]), 1.0
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling["low_freq_factor"])
-        high_freq_factor = float(scaling["high_freq_factor"])
-        old_context_len = float(scaling["original_max_position_embeddings"])
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled), 1.0
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
 
 
 class RotaryEmbedding(nn.Module):
@@ -120,6 +46,10 @@ class RotaryEmbedding(nn.Module):
         adjacent in the fused QKV projection, and both turn by the same angles."""
         return _rotate(qk, *self.cos_sin(positions))
 
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 cos and sin tables [max_positions, head_dim / 2]."""
+        return self.cos, self.sin
+
     def at(self, positions: torch.Tensor) -> "RotaryAt":
         """This rotation with the cos/sin of `positions` looked up once, for all the layers of a forward."""
         return RotaryAt(self, positions)
@@ -135,6 +65,9 @@ class RotaryAt:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cos_sin if positions is self.positions else self.rope.cos_sin(positions)
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope.tables()
 
     rotate_qk = RotaryEmbedding.rotate_qk  # the same rotation, through this cos_sin
 
@@ -154,7 +87,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
         # oneDNN's blocked copy of `weight` (kernels/linear.py), set by `prepack_linears`
-        # once the weights are final; a plain attribute, outside the state dict.
+        # once the weights are final, which then drops `weight` (None): the packed copy is
+        # the only one. A plain attribute, outside the state dict.
         self.packed: torch.Tensor | None = None
 
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
@@ -162,21 +96,41 @@ class Linear(nn.Module):
         return param.narrow(0, start, self.shard_sizes[index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module) -> tuple[int, int]:
     """Give every float `Linear` of a model whose weights will no longer change (the
-    serving runtime, not calibration) its oneDNN-packed weight; returns how many got one
-    (none off the CPU: `pack_weight` takes CPU weights only).
-    The dense weight stays (tied embeddings, sharding and quantization read it), so a
-    packed layer holds its weight twice in host memory but streams one copy per call."""
-    count = 0
+    serving runtime, not calibration, sharding or quantization, which read the dense
+    weight) its oneDNN-packed weight, and drop the dense one: each weight is held once.
+
+    The exception is a weight another module also reads: an LM head tied to the
+    embeddings. The lookup needs the dense table's rows, which the packed layout does not
+    give, and the head through the dense weight is ~30% slower per call than packed (it
+    streams the largest matrix of a small model every step; docs/BENCHMARKS.md), so such
+    a head is packed and the dense table kept: one extra copy of the vocabulary matrix.
+    Returns how many were packed (none off the CPU: `pack_weight` takes CPU weights only)
+    and how many of those keep a dense weight because it is shared."""
+    # By storage, not by Parameter: tensor parallelism re-wraps the tied table's data.
+    shared = {
+        param.untyped_storage().data_ptr() for module in model.modules() if not isinstance(module, Linear)
+        for param in module.parameters(recurse=False)
+    }
+    packed = kept_shared = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight is not None:
-            module.packed = pack_weight(module.weight)
-            count += module.packed is not None
-    return count
+        if not isinstance(module, Linear) or module.weight is None:
+            continue
+        module.packed = pack_weight(module.weight)
+        if module.packed is None:
+            continue
+        packed += 1
+        if module.weight.untyped_storage().data_ptr() in shared:
+            kept_shared += 1  # the embedding still reads it
+        else:
+            module.weight = None  # the packed copy is the only one from here on
+    return packed, kept_shared
 
 
 class RMSNorm(nn.Module):
@@ -194,19 +148,41 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
+    def add_norm(self, x: torch.Tensor, add: torch.Tensor | None, ops: KernelOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of x + add, x + add) in one op where the backend fuses them; the sum
+        may be written into x (kernels/elementwise.py), so x must be a residual stream the
+        caller owns."""
+        return ops.add_rms_norm(x, add, self.weight, self.eps)
+
+
+# The gated MLP's activation by Hugging Face name (`hidden_act` / `hidden_activation`).
+ACTIVATIONS = {
+    "silu": F.silu,  # SwiGLU: Llama, Mistral, Qwen
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GeGLU: Gemma
+}
+
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Grouped-query attention over the paged KV cache: fused QKV projection, optional
+    per-head q/k RMSNorm (`args.qk_norm`), RoPE, this layer's sliding window."""
+
+    def __init__(self, args: ModelArgs, layer: int = 0, norm_class: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.num_heads = args.num_attention_heads
         self.num_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = args.attention_scale
+        self.sliding_window = args.sliding_window(layer)
         # One GEMM for Q, K and V; the checkpoint's q/k/v_proj load into its row shards.
-        self.qkv_proj = Linear(args.hidden_size, [self.q_size, self.kv_size, self.kv_size], args.attention_bias)
+        self.qkv_proj = Linear(
+            args.hidden_size, [self.q_size, self.kv_size, self.kv_size], args.attention_bias or args.qkv_bias
+        )
         self.o_proj = Linear(self.q_size, args.hidden_size, args.attention_bias)
+        # One weight of head_dim shared by every head: replicated, not split, under tensor parallelism.
+        self.q_norm = norm_class(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = norm_class(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(
         self,
@@ -219,53 +195,101 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         # q and k rotate in one pass: their columns are adjacent in the fused projection.
-        qk = rope.rotate_qk(positions, qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim))
+        if ops.rotate_qk_ is not None:
+            ops.rotate_qk_(qk, *rope.tables(), positions)
+        else:
+            qk = rope.rotate_qk(positions, qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         o = ops.paged_attention(
-            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
+            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+            sliding_window=self.sliding_window,
         )
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up in one fused GEMM."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.intermediate_size = args.intermediate_size
+        self.act = ACTIVATIONS[args.hidden_act]
+        self.swiglu = args.hidden_act == "silu"  # the backend's fused silu-and-multiply applies
         self.gate_up_proj = Linear(args.hidden_size, [args.intermediate_size] * 2, args.mlp_bias)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if ops is not None and self.swiglu:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, args: ModelArgs, layer: int = 0, norm_class: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer, norm_class)
         self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = norm_class(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = norm_class(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
+        """`attn_args`: (positions, rope, kv_cache, meta, ops), as `Attention.forward` takes them.
+        The residual add and the next norm are one op where the backend fuses them (on CPU
+        x is updated in place: it is this forward's own residual stream)."""
+        ops: KernelOps = attn_args[-1]
+        h, _ = self.input_layernorm.add_norm(x, None, ops)
+        h, x = self.post_attention_layernorm.add_norm(x, self.self_attn(h, *attn_args), ops)
+        return x + self.mlp(h, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameter names match HF checkpoints, so safetensors load by name."""
+    """Parameter names match HF checkpoints, so safetensors load by name.
+
+    The other architectures subclass it (engine/models/): `norm_class` and `layer_class`
+    choose the blocks, `embed` and `layer_ropes` the embedding scale and each layer's RoPE;
+    the constructor is the same for all, `(args, max_positions)`."""
+
+    norm_class: type[nn.Module] = RMSNorm
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
         self.args = args
+        self.max_positions = max_positions
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
-        self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.model.layers = nn.ModuleList(
+            self.layer_class(args, i, self.norm_class) for i in range(args.num_hidden_layers)
+        )
+        self.model.norm = self.norm_class(args.hidden_size, args.rms_norm_eps)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = RotaryEmbedding(args, max_positions)
+        self.build_rope()
+
+    def build_rope(self, device: torch.device | None = None) -> None:
+        """(Re)build the RoPE tables, non-persistent buffers: the loader calls this on the
+        real device after materialising a model built on the meta device."""
+        rope = RotaryEmbedding(self.args, self.max_positions)
+        self.rope = rope if device is None else rope.to(device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def layer_ropes(self, positions: torch.Tensor) -> list[RotaryAt]:
+        """Each layer's rotation at `positions`: cos/sin looked up once, not once per layer."""
+        return [self.rope.at(positions)] * len(self.model.layers)
 
     @torch.inference_mode()
     def forward(
@@ -277,15 +301,17 @@ class LlamaForCausalLM(nn.Module):
         ops: KernelOps,
     ) -> torch.Tensor:
         """Returns the final hidden states of the tokens at `meta.logits_indices`."""
-        x = self.model.embed_tokens(input_ids)
-        rope = self.rope.at(positions)  # cos/sin looked up once, not once per layer
+        x = self.embed(input_ids)
+        ropes = self.layer_ropes(positions)
         with ops.forward_scope():  # the layers share this step's metadata (and what ops derive from it)
-            for layer, kv_cache in zip(self.model.layers, kv_caches):
-                h = layer.input_layernorm(x)
-                x = x + layer.self_attn(h, positions, rope, kv_cache, meta, ops)
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            for layer, rope, kv_cache in zip(self.model.layers, ropes, kv_caches):
+                x = layer(x, positions, rope, kv_cache, meta, ops)
         # Only the positions that sample need the final norm and the (large) LM head.
         return self.model.norm(x[meta.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)  # None on tensor-parallel ranks other than 0
+        cap = self.args.final_logit_softcapping
+        if cap is not None and logits is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -300,9 +300,11 @@ def test_dummy_load_format_needs_no_checkpoint(tmp_path):
     llm = LLM(model=str(path), device="cpu", dtype="float32", load_format="dummy")
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4
+    # (On CPU the decoder linears keep only their oneDNN-packed weights; the embedding
+    # table stays a parameter.)
     weights = dict(llm.engine_core.model.named_parameters())
     assert torch.equal(weights["model.norm.weight"], torch.ones(64))
-    assert 0.015 < float(weights["model.layers.0.mlp.down_proj.weight"].std()) < 0.025
+    assert 0.015 < float(weights["model.embed_tokens.weight"].std()) < 0.025
 
 
 # ---- real CUDA graphs (GPU only) ------------------------------------------------------------------

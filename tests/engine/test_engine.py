@@ -136,7 +136,8 @@ def test_prompt_logprobs_equal_hf_forward(tiny_model_path, budget):
     import torch
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(model=str(tiny_model_path), max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=budget)
+    llm = LLM(model=str(tiny_model_path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+              max_num_batched_tokens=budget)  # float32: compared with HF's float32 forward to 1e-4
     prompt = llm.tokenizer.encode("The history of tea spans several millennia and many cultures.")
     out = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()

@@ -1,7 +1,6 @@
 """Greedy tokens of the real default model equal Hugging Face `generate`, prompt by prompt."""
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 
@@ -35,20 +34,11 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_reference(default_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tiny_models import hf_greedy
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path))
-    model = AutoModelForCausalLM.from_pretrained(str(default_model_path), dtype=torch.float32).eval()
-    prompts = _prompts(tokenizer)
-    expected = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-            )
-            expected.append(out[0, len(ids):].tolist())
-    return prompts, expected
+    prompts = _prompts(AutoTokenizer.from_pretrained(str(default_model_path)))
+    return prompts, hf_greedy(default_model_path, prompts, MAX_NEW_TOKENS, ignore_eos=False)
 
 
 @pytest.mark.slow

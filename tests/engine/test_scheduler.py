@@ -184,3 +184,46 @@ def test_random_workload_under_memory_pressure(seed):
         if r.request_id not in aborted:
             assert r.num_output_tokens == r.max_tokens
     assert sched.block_manager.num_free_blocks == num_blocks
+
+
+def test_prefill_chunk_cap_shrinks_with_context_and_decodes_keep_running():
+    """With a context weight w, a long prompt's chunks shrink by w / (w + context) (down to
+    MIN_PREFILL_CHUNK), so steps late in a long prefill cost about what early ones do; a
+    decoding request beside it is scheduled every step."""
+    from engine.scheduler import MIN_PREFILL_CHUNK
+
+    bm = BlockManager(2048, 16)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, long_prefill_token_threshold=512)
+    sched = Scheduler(config, bm, prefill_context_weight=1000)
+    decoding = _request("decode", 8, 400)
+    long = _request("long", 6000, 1)
+    sched.add_request(decoding)
+    chunks = []
+
+    def record(s, out):
+        if decoding.num_computed_tokens >= 8 and long.status != RequestStatus.WAITING:
+            assert decoding in out.scheduled or decoding.status != RequestStatus.RUNNING
+        for req, n in zip(out.scheduled, out.num_scheduled_tokens):
+            if req is long and req.num_computed_tokens < req.num_prompt_tokens:
+                chunks.append((req.num_computed_tokens, n))
+
+    sched.schedule()  # the short prompt first
+    decoding.num_computed_tokens = 8
+    decoding.output_token_ids.append(7)
+    sched.add_request(long)
+    _run(sched, on_step=record)
+    assert sum(n for _, n in chunks) == 6000
+    assert chunks[0] == (0, 512)
+    for context, n in chunks:
+        assert n == min(6000 - context, max(MIN_PREFILL_CHUNK, 512 * 1000 // (1000 + context)))
+    assert chunks[-2][1] < 100  # late chunks are a fraction of the first
+
+
+def test_prefill_chunk_cap_is_the_threshold_without_a_context_weight():
+    bm = BlockManager(1024, 16)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, long_prefill_token_threshold=300), bm)
+    long = _request("long", 1000, 1)
+    sched.add_request(long)
+    sizes = []
+    _run(sched, on_step=lambda s, out: sizes.extend(n for r, n in zip(out.scheduled, out.num_scheduled_tokens) if n > 1))
+    assert sizes == [300, 300, 300, 100]

@@ -118,6 +118,32 @@ def test_tp2_equals_tp1_under_chunked_prefill_and_preemption(
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_tp2_equals_tp1_for_other_architectures(tmp_path, arch, record_schedules, one_thread_per_rank):
+    """Tiny folders of tests/tiny_models.py. Qwen2: q/k/v biases cut with their rows.
+    Qwen3: two KV heads split between the ranks, q/k norms replicated (one head_dim weight
+    every head shares). Gemma 3: one KV head replicated, four norms per layer, the
+    embedding scale over a vocab-parallel embedding, soft-capped logits gathered from two
+    vocabulary halves, local and global layers."""
+    from tiny_models import make_model_folder, prompts
+
+    path = make_model_folder(tmp_path, arch)
+    arch_prompts = prompts((1, 23, 61))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    runs = {}
+    for tp, num_blocks in ((1, 64), (2, 20)):  # 20 blocks of 4 tokens: preemption at TP=2
+        llm = LLM(model=str(path), dtype="float32", max_model_len=128, tensor_parallel_size=tp, block_size=4,
+                  num_gpu_blocks_override=num_blocks, max_num_batched_tokens=16)
+        try:
+            steps = record_schedules(llm.engine_core)
+            runs[tp] = [o.outputs[0].token_ids for o in llm.generate(arch_prompts, params)]
+        finally:
+            llm.shutdown()
+    assert llm.engine_core.scheduler.num_preemptions > 0
+    assert any(partial for _, partial in steps), "no prefill was split into chunks"
+    assert runs[2] == runs[1]
+
+
 def test_a_worker_that_stops_answering_fails_the_engine_instead_of_hanging_it(
     tp_models, one_thread_per_rank, monkeypatch
 ):

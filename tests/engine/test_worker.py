@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
+from kernels.cpu_kernels import cpu_has_native_bf16
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,11 @@ def test_start_up_log_names_the_quantization(tiny_model_path, capfd, quantizatio
     llm = LLM(model=str(tiny_model_path), max_model_len=128, num_gpu_blocks_override=16, quantization=quantization)
     log = capfd.readouterr().err
     assert f"[pagoda] quantization: {expected}\n" in log
-    assert "[pagoda] kv_cache: 512 bytes/token (2 x 2 layers x 2 KV heads x 16 x 4 bytes), 16 blocks" in log
+    # --dtype auto: bf16 where the CPU computes it natively, float32 elsewhere, said at start.
+    native = cpu_has_native_bf16()
+    dtype, size = ("bfloat16", 2) if native else ("float32", 4)
+    assert f"[pagoda] dtype: {dtype} (--dtype auto: this CPU {'computes bf16 natively' if native else 'has no native bf16'})" in log
+    assert f"[pagoda] kv_cache: {128 * size} bytes/token (2 x 2 layers x 2 KV heads x 16 x {size} bytes), 16 blocks" in log
     assert llm.engine_core.facts()["quantization"] == expected
 
 

@@ -42,6 +42,10 @@ ATTENTION_CASES = {
     "prefill_bf16_d128_bs16": (torch.bfloat16, 512, 4, 8, 4, 128, 1024, 16),
     "prefill_bf16_d64_bs32_gqa3": (torch.bfloat16, 512, 4, 2, 3, 64, 1024, 32),
     "prefill_fp16_d128_bs1_gqa8": (torch.float16, 512, 4, 1, 8, 128, 1024, 1),
+    # head_dim 256 (Gemma 3: 4 query heads on 1 KV head).
+    "decode_bf16_d256_bs16_gqa4": (torch.bfloat16, 64, 64, 1, 4, 256, 1024, 16),
+    "decode_split_bf16_d256_bs16_gqa4": (torch.bfloat16, 4, 4, 1, 4, 256, 4096, 16),
+    "prefill_bf16_d256_bs16_gqa4": (torch.bfloat16, 512, 4, 1, 4, 256, 1024, 16),
 }
 
 

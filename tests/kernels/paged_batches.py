@@ -116,8 +116,9 @@ def make_batch(
     )
 
 
-def ref_paged_attention(batch: PagedBatch) -> torch.Tensor:
-    """Dense causal attention per sequence in float64 over its contiguous K/V; [num_tokens, heads, d] on CPU."""
+def ref_paged_attention(batch: PagedBatch, window: int | None = None) -> torch.Tensor:
+    """Dense causal attention per sequence in float64 over its contiguous K/V; [num_tokens, heads, d] on CPU.
+    With a `window` W, a query at p sees only keys p - W < k <= p."""
     query = batch.query.cpu().double()
     num_heads = query.shape[1]
     outs = []
@@ -131,8 +132,10 @@ def ref_paged_attention(batch: PagedBatch) -> torch.Tensor:
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale
         q_pos = torch.arange(seq_len - q_len, seq_len)
-        future = torch.arange(seq_len)[None, :] > q_pos[:, None]  # [q_len, seq_len]
-        scores = scores.masked_fill(future, float("-inf"))
+        hidden = torch.arange(seq_len)[None, :] > q_pos[:, None]  # [q_len, seq_len]: the future
+        if window is not None:
+            hidden |= torch.arange(seq_len)[None, :] <= q_pos[:, None] - window  # and outside the window
+        scores = scores.masked_fill(hidden, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v))
     return torch.cat(outs)
 
@@ -147,6 +150,6 @@ TOLERANCES = {
 }
 
 
-def assert_close_to_reference(out: torch.Tensor, batch: PagedBatch) -> None:
-    expected = ref_paged_attention(batch)
+def assert_close_to_reference(out: torch.Tensor, batch: PagedBatch, window: int | None = None) -> None:
+    expected = ref_paged_attention(batch, window)
     torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCES[out.dtype])

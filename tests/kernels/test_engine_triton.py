@@ -1,9 +1,11 @@
 """End to end: the engine on the Triton kernels gives Hugging Face `generate`'s greedy tokens.
 
 On CPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set before they
-are imported); on CUDA compiled. A tiny random-weight Llama whose head_dim (64) the
-kernels support, with its own word-level tokenizer; a small token budget splits prompts
-into chunks and a small cache forces preemption, and the test asserts both happened.
+are imported); on CUDA compiled. Tiny random-weight folders (tests/tiny_models.py, each
+with its own word-level tokenizer): a Llama, and Qwen2, Qwen3, Mistral and Gemma 3 with
+head_dim 64, 128 and 256 and sliding windows shorter than the prompts. A small token
+budget splits prompts into chunks and a small cache forces preemption, and the tests
+assert both happened.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ ON_CUDA = torch.cuda.is_available()
 if not ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from tiny_models import ARCHITECTURES, check_engine_equals_hf, hf_greedy, make_model_folder, prompts  # noqa: E402
+
 from engine import LLM, SamplingParams  # noqa: E402
 from kernels.triton_runtime import INTERPRETED  # noqa: E402
 
@@ -25,61 +29,20 @@ if not ON_CUDA and not INTERPRETED:
 
 MAX_NEW_TOKENS = 8
 BLOCK_SIZE = 4
-
-
-VOCAB_SIZE = 512
-
-
-def _save_word_level_tokenizer(path) -> None:
-    """A 512-word tokenizer ("w0".."w511"): the engine loads one from the model folder, and
-    this keeps the test free of any downloaded or converted model (it runs on the GPU box)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(VOCAB_SIZE)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2", pad_token="w2"
-    ).save_pretrained(path)
+PROMPTS = prompts((1, 23, 61))
 
 
 @pytest.fixture(scope="module")
 def triton_model_path(tmp_path_factory):
-    """2 layers, 4 query heads on 2 KV heads of 64 dims (a head_dim the kernels take)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama-hd64")
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        # Weights ~10x the default scale: attention scores far from uniform, so a wrong
-        # score, mask or softmax changes the tokens (at 0.02 a 20% scale error did not).
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    _save_word_level_tokenizer(path)
-    return path
+    """2 layers, 4 query heads on 2 KV heads of 64 dims (a head_dim the kernels take), tied
+    embeddings, weights ~10x the default scale: attention scores far from uniform, so a
+    wrong score, mask or softmax changes the tokens (at 0.02 a 20% scale error did not)."""
+    return make_model_folder(tmp_path_factory.mktemp("tiny-llama-hd64"), "llama")
 
 
 @pytest.fixture(scope="module")
 def prompts_and_hf_tokens(triton_model_path):
-    from transformers import AutoModelForCausalLM
-
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (1, 23, 61)]
-    model = AutoModelForCausalLM.from_pretrained(str(triton_model_path), dtype=torch.float32).eval()
-    expected = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-            )
-            expected.append(out[0, len(ids):].tolist())
-    return prompts, expected
+    return PROMPTS, hf_greedy(triton_model_path, PROMPTS, MAX_NEW_TOKENS, ignore_eos=False)
 
 
 def test_triton_engine_greedy_equals_hf_with_chunked_prefill_and_preemption(triton_model_path, prompts_and_hf_tokens, record_schedules):
@@ -116,3 +79,16 @@ def test_triton_forked_samples_equal_torch_backend(triton_model_path, prompts_an
         assert llm.engine_core.block_manager.num_free_blocks == llm.engine_core.num_blocks
     assert outs["triton"] == outs["torch"]
     assert len({tuple(t) for t in outs["triton"]}) > 1
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "llama"])
+def test_triton_architectures_equal_hf_with_chunked_prefill_and_preemption(tmp_path, arch, record_schedules):
+    """The other architectures (tests/engine/test_architectures.py on the torch backend)."""
+    path = make_model_folder(tmp_path, arch)
+    arch_prompts = prompts((1, 23, 41))
+    expected = hf_greedy(path, arch_prompts, MAX_NEW_TOKENS)
+    # 14 blocks of 4 tokens hold the longest request (49 tokens) but not all three.
+    check_engine_equals_hf(
+        path, arch_prompts, expected, record_schedules, kernel_backend="triton", num_gpu_blocks_override=14,
+        max_model_len=64,
+    )

@@ -18,12 +18,25 @@ from kernels import reference  # noqa: E402
 from kernels.ops import get_ops  # noqa: E402
 
 
-def test_torch_and_auto_on_cpu_are_the_reference() -> None:
-    for backend in ("torch", "auto"):
+def test_torch_on_cpu_is_the_reference() -> None:
+    ops = get_ops("torch", torch.device("cpu"))
+    assert ops.backend == "torch"
+    assert ops.paged_attention is reference.paged_attention
+    assert ops.reshape_and_cache is reference.reshape_and_cache
+
+
+def test_auto_on_cpu_is_the_cpp_kernels() -> None:
+    """This machine has a compiler: auto and cpu give the C++ kernels; the cpu backend
+    is refused on another device."""
+    from kernels import cpu_kernels
+
+    for backend in ("auto", "cpu"):
         ops = get_ops(backend, torch.device("cpu"))
-        assert ops.backend == "torch"
-        assert ops.paged_attention is reference.paged_attention
-        assert ops.reshape_and_cache is reference.reshape_and_cache
+        assert ops.backend == "cpu"
+        assert ops.paged_attention is cpu_kernels.paged_attention
+        assert ops.reshape_and_cache is cpu_kernels.reshape_and_cache
+    with pytest.raises(ValueError, match="kernel_backend 'cpu'"):
+        get_ops("cpu", torch.device("cuda"))
 
 
 @pytest.mark.skipif(ON_CUDA, reason="interpreter variant: this process compiles the kernels for CUDA")

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.sampling_params import SamplingParams
 from kernels.linear import linear, pack_weight
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -53,5 +54,11 @@ def test_runner_packs_the_models_linears(tmp_path):
     )
     folder = write_dummy_model_folder(tmp_path / "m", config)
     llm = LLM(model=str(folder), load_format="dummy", dtype="float32", kv_cache_memory=0.01)
-    linears = [m for m in llm.engine_core.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is not None for m in linears)
+    model = llm.engine_core.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    # Each weight held once: packed layers drop the dense weight; the LM head, tied to the
+    # embeddings, is packed too but the dense table stays for the embedding lookup.
+    decoder = [m for m in linears if m is not model.lm_head]
+    assert decoder and all(m.packed is not None and m.weight is None for m in decoder)
+    assert model.lm_head.packed is not None and model.lm_head.weight is model.model.embed_tokens.weight
+    assert llm.generate(["a b"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids

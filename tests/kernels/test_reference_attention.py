@@ -107,8 +107,9 @@ def make_batch(
     )
 
 
-def ref_paged_attention(batch: Batch, scale: float) -> torch.Tensor:
-    """Dense causal attention per sequence in float64 over its contiguous K/V."""
+def ref_paged_attention(batch: Batch, scale: float, window: int | None = None) -> torch.Tensor:
+    """Dense causal attention per sequence in float64 over its contiguous K/V; with a
+    `window` W, a query at p sees only keys p - W < k <= p."""
     num_heads = batch.query.shape[1]
     outs = []
     start = 0
@@ -121,13 +122,15 @@ def ref_paged_attention(batch: Batch, scale: float) -> torch.Tensor:
         v = v.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len)
-        future = torch.arange(seq_len)[None, :] > q_pos[:, None]  # [q_len, seq_len]
-        scores = scores.masked_fill(future, float("-inf"))
+        hidden = torch.arange(seq_len)[None, :] > q_pos[:, None]  # [q_len, seq_len]: the future
+        if window is not None:
+            hidden |= torch.arange(seq_len)[None, :] <= q_pos[:, None] - window  # and outside the window
+        scores = scores.masked_fill(hidden, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v))
     return torch.cat(outs).float()
 
 
-def run_paged(batch: Batch, scale: float) -> torch.Tensor:
+def run_paged(batch: Batch, scale: float, window: int | None = None) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))
     result = paged_attention(
         batch.query,
@@ -138,14 +141,17 @@ def run_paged(batch: Batch, scale: float) -> torch.Tensor:
         batch.query_start_loc,
         scale,
         out=out,
+        sliding_window=window,
     )
     assert result is out
     return out
 
 
-def check(batch: Batch) -> None:
+def check(batch: Batch, window: int | None = None) -> None:
     scale = batch.query.shape[-1] ** -0.5
-    torch.testing.assert_close(run_paged(batch, scale), ref_paged_attention(batch, scale), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        run_paged(batch, scale, window), ref_paged_attention(batch, scale, window), atol=ATOL, rtol=RTOL
+    )
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=lambda b: f"bs{b}")
@@ -320,3 +326,50 @@ def test_single_decode_reads_consecutive_blocks_in_place(block_order, seq_len):
     """One decoding sequence whose blocks are consecutive is read without a gather; shuffled
     blocks take the gather. Both equal the dense attention."""
     check(make_batch([(seq_len, 1)], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, block_order=block_order, seed=seq_len))
+
+
+# Sliding windows smaller and larger than the block size (16), and one wider than every
+# context (the same as none): decodes, full prefills, chunks after cached tokens, mixed.
+WINDOWS = [1, 5, 16, 23, 2000]
+WINDOW_BATCHES = {
+    "decodes": [(40, 1), (3, 1), (17, 1), (100, 1)],
+    "prefills": [(40, 40), (7, 7), (33, 33)],
+    "chunks": [(60, 20), (33, 9), (100, 37)],
+    "mixed": [(15, 1), (100, 37), (64, 64), (129, 1), (31, 30)],
+}
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("seqs", list(WINDOW_BATCHES.values()), ids=list(WINDOW_BATCHES))
+def test_sliding_window(seqs: list[tuple[int, int]], window: int) -> None:
+    check(make_batch(seqs, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, block_order="shuffled",
+                     num_blocks=40, seed=window), window)
+
+
+@pytest.mark.parametrize("seq_len", [5, 16, 40], ids=lambda n: f"ctx{n}")
+def test_sliding_window_single_decode_read_in_place(seq_len: int) -> None:
+    """The consecutive-blocks fast path reads only the window's keys."""
+    check(make_batch([(seq_len, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=4, seed=seq_len), window=7)
+
+
+def test_sliding_window_plans_per_window_within_a_forward_scope() -> None:
+    """Alternating layers (Gemma 3: local, global, local, ...) reuse one plan per window."""
+    from kernels.reference import reuse_attention_plans
+
+    batch = make_batch([(40, 1), (20, 1), (70, 9)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=9)
+    scale = 0.125
+    with reuse_attention_plans():
+        for window in (8, None, 8, None, 30):
+            torch.testing.assert_close(
+                run_paged(batch, scale, window), ref_paged_attention(batch, scale, window), atol=ATOL, rtol=RTOL
+            )
+
+
+def test_sliding_window_check_can_fail() -> None:
+    """A window that is ignored gives visibly different outputs than the windowed reference."""
+    batch = make_batch([(40, 1), (30, 12)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=10)
+    scale = 64**-0.5
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(run_paged(batch, scale), ref_paged_attention(batch, scale, 8), atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="sliding_window"):
+        run_paged(batch, scale, 0)

@@ -44,21 +44,21 @@ CONTEXT_LENS = [1, 15, 16, 17, 1025]
 BLOCK_SIZES = [1, 16, 32]
 # (num_heads, num_kv_heads): GQA ratios 1, 3 and 8.
 HEAD_CONFIGS = [(2, 2), (6, 2), (8, 1)]
-HEAD_DIMS = [64, 128]
+HEAD_DIMS = [64, 128, 256]
 
 
-def run_kernel(batch, config: AttentionConfig | None = None) -> torch.Tensor:
+def run_kernel(batch, config: AttentionConfig | None = None, window: int | None = None) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))
     if config is None:
-        result = paged_attention(*batch.args(), batch.scale, out=out)
+        result = paged_attention(*batch.args(), batch.scale, out=out, sliding_window=window)
     else:
-        result = launch_paged_attention(*batch.args(), batch.scale, out, config)
+        result = launch_paged_attention(*batch.args(), batch.scale, out, config, sliding_window=window)
     assert result is out
     return out
 
 
-def check(batch, config: AttentionConfig | None = None) -> None:
-    assert_close_to_reference(run_kernel(batch, config), batch)
+def check(batch, config: AttentionConfig | None = None, window: int | None = None) -> None:
+    assert_close_to_reference(run_kernel(batch, config, window), batch, window)
 
 
 @pytest.mark.parametrize("variant", VARIANTS_WITH_CPU_FP16)
@@ -227,6 +227,58 @@ def test_caller_owned_split_k_scratch(variant) -> None:
     launch_paged_attention(*batch.args(), batch.scale, out, config, partial_out, partial_max, partial_sum)
     assert_close_to_reference(out, batch)
     assert not partial_max.isnan().any(), "every split writes its partial max, even an empty one"
+
+
+# Sliding windows smaller and larger than the block size (16) and than a key tile; the
+# contexts reach past the window so whole tiles before it are skipped.
+WINDOW_CASES = {
+    "decodes_w5": ([(70, 1), (3, 1), (33, 1)], 5),
+    "decodes_w40": ([(70, 1), (3, 1), (33, 1)], 40),
+    "prefill_w7": ([(50, 50)], 7),
+    "chunks_w23": ([(60, 20), (33, 9), (5, 1)], 23),
+    "mixed_w16": ([(15, 1), (100, 37), (40, 40), (129, 1)], 16),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", list(WINDOW_CASES.values()), ids=list(WINDOW_CASES))
+def test_sliding_window(case, variant) -> None:
+    device, dtype = variant
+    seqs, window = case
+    batch = make_batch(
+        seqs, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=40, block_order="shuffled",
+        dtype=dtype, device=device, seed=window,
+    )
+    check(batch, window=window)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_sliding_window_with_split_k(num_splits: int, variant) -> None:
+    # The splits cover only the tiles from the window's start; a split may see no key at all.
+    device, dtype = variant
+    batch = make_batch([(300, 1), (45, 1), (70, 9)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                       dtype=dtype, device=device, seed=11)
+    check(batch, AttentionConfig(block_m=16, tile_n=16, num_splits=num_splits, num_warps=4), window=20)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_head_dim_256_with_a_window(variant) -> None:
+    """Gemma 3's shape: head_dim 256, GQA, a local window shorter than the prompt, decodes
+    and a prefill chunk in one batch."""
+    device, dtype = variant
+    batch = make_batch([(40, 1), (30, 12), (9, 9)], num_heads=4, num_kv_heads=1, head_dim=256, block_size=16,
+                       dtype=dtype, device=device, seed=12)
+    check(batch)
+    check(batch, window=8)
+
+
+def test_window_check_can_fail() -> None:
+    batch = make_batch([(40, 1), (30, 12)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device=DEVICE)
+    with pytest.raises(AssertionError):
+        assert_close_to_reference(run_kernel(batch), batch, 8)
+    with pytest.raises(ValueError, match="sliding_window"):
+        run_kernel(batch, window=0)
 
 
 def test_config_table_splits_only_long_decode_batches() -> None:

@@ -44,7 +44,7 @@ def _nan_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
 def test_writes_exactly_the_mapped_slots(num_tokens: int, block_size: int, num_kv_heads: int, variant) -> None:
     device, dtype = variant
     g = torch.Generator().manual_seed(5)
-    head_dim = 128 if num_kv_heads == 1 else 64
+    head_dim = {1: 128, 3: 256, 8: 64}[num_kv_heads]  # every head_dim the kernels take
     num_blocks = 40 * 32 // block_size + 1
     num_slots = num_blocks * block_size
     key_cache = _nan_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from unittest import mock
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -33,6 +35,14 @@ def _config(tied: bool) -> LlamaConfig:
 
 def _llm(tmp_path, tied: bool) -> LLM:
     path = write_dummy_model_folder(tmp_path / f"dummy-{tied}", _config(tied))
+    # The bench runs on the GPU, where linears keep their dense weights. On CPU the runtime
+    # packs them for oneDNN and drops the dense copies, which the HF copy and the byte
+    # count read: run this CPU stand-in unpacked.
+    with mock.patch("engine.worker.prepack_linears", lambda model: (0, 0)):
+        return _unpacked_llm(path)
+
+
+def _unpacked_llm(path) -> LLM:
     return LLM(model=str(path), device="cpu", dtype="float32", load_format="dummy", block_size=4,
                num_gpu_blocks_override=64)
 

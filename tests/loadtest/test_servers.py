@@ -17,7 +17,7 @@ def test_pagoda_command():
 
 
 def test_transformers_serve_is_started_offline_on_the_model_folder(default_model_path):
-    transformers, _ = peer_specs(default_model_path, "float32", None, ["--cb-num-blocks", "64"])
+    transformers = peer_specs(default_model_path, "float32", None, ["--cb-num-blocks", "64"])[0]
     if isinstance(transformers, Skipped):  # e.g. fastapi or openai missing: the reason says which
         assert transformers.reason
         return

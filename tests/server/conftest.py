@@ -8,6 +8,7 @@ by the whole session (`server_url`) and one with `--api-key` for the auth module
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -105,6 +106,26 @@ def scrape_metrics(url: str, headers: dict | None = None) -> dict[str, float]:
     return totals
 
 
+RUNNING = "pagoda:num_requests_running"
+WAITING = "pagoda:num_requests_waiting"
+KV_USAGE = "pagoda:kv_cache_usage_perc"
+
+
+def idle(metrics: dict[str, float]) -> bool:
+    """Nothing running or waiting, and every KV block free."""
+    return metrics.get(RUNNING) == 0 and metrics.get(WAITING) == 0 and metrics.get(KV_USAGE) == 0
+
+
+def wait_idle(url: str, until=idle, timeout_s: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until `until(metrics)` holds; the last scrape (the caller asserts on it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = scrape_metrics(url)
+        if until(metrics) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.2)
+
+
 def parse_sse(lines) -> list:
     """`data: ...` payloads of an SSE body, JSON-decoded except the final `[DONE]`."""
     events = []
@@ -135,6 +156,8 @@ def helpers():
         tokenize = staticmethod(tokenize)
         detokenize = staticmethod(detokenize)
         scrape_metrics = staticmethod(scrape_metrics)
+        idle = staticmethod(idle)
+        wait_idle = staticmethod(wait_idle)
         parse_sse = staticmethod(parse_sse)
         assert_error_envelope = staticmethod(assert_error_envelope)
         MAX_MODEL_LEN = MAX_MODEL_LEN

@@ -1,7 +1,6 @@
 """Clients that go away: their requests are aborted, their KV blocks freed, and counted."""
 
 import asyncio
-import time
 
 import httpx
 
@@ -12,23 +11,9 @@ DISCONNECTED = "pagoda:http_requests_client_disconnected_total"
 GENERATED = "pagoda:generation_tokens_total"
 
 
-def _wait_idle(helpers, url, until, timeout_s=30.0):
-    """Poll /metrics until `until(metrics)` holds; return the last scrape (assert on timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = helpers.scrape_metrics(url)
-        if until(metrics) or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.2)
-
-
-def _idle(metrics):
-    return metrics.get(RUNNING) == 0 and metrics.get(WAITING) == 0 and metrics.get(KV_USAGE) == 0
-
-
 def test_40_streams_half_disconnected(server_url, model_name, helpers):
-    before = _wait_idle(helpers, server_url, _idle)
-    assert _idle(before), {k: before.get(k) for k in (RUNNING, WAITING, KV_USAGE)}
+    before = helpers.wait_idle(server_url)
+    assert helpers.idle(before), {k: before.get(k) for k in (RUNNING, WAITING, KV_USAGE)}
     assert DISCONNECTED in before, sorted(before)
     body = {"model": model_name, "prompt": "Count from one to one hundred:", "max_tokens": 64,
             "temperature": 0, "ignore_eos": True, "stream": True}
@@ -57,8 +42,8 @@ def test_40_streams_half_disconnected(server_url, model_name, helpers):
             assert not any("error" in e for e in events[:-1]), events
             finishes = [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c.get("finish_reason")]
             assert finishes == ["length"]
-    after = _wait_idle(
-        helpers, server_url, lambda m: _idle(m) and m.get(DISCONNECTED, 0) - before[DISCONNECTED] >= 20
+    after = helpers.wait_idle(
+        server_url, lambda m: helpers.idle(m) and m.get(DISCONNECTED, 0) - before[DISCONNECTED] >= 20
     )
     assert after[RUNNING] == 0 and after[WAITING] == 0, (after[RUNNING], after[WAITING])
     assert after[KV_USAGE] == 0, after[KV_USAGE]
@@ -69,8 +54,8 @@ def test_40_streams_half_disconnected(server_url, model_name, helpers):
 
 
 def test_non_streaming_client_timeout_aborts_the_request(server_url, model_name, helpers):
-    before = _wait_idle(helpers, server_url, _idle)
-    assert _idle(before)
+    before = helpers.wait_idle(server_url)
+    assert helpers.idle(before)
     max_tokens = 400
     body = {"model": model_name, "prompt": "Count from one to one hundred:", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}
@@ -89,10 +74,10 @@ def test_non_streaming_client_timeout_aborts_the_request(server_url, model_name,
 
     outcomes = asyncio.run(run())
     assert outcomes == ["gone"] * 4, "the server answered 400 tokens in 0.5 s: nothing to abort"
-    after = _wait_idle(
-        helpers, server_url, lambda m: _idle(m) and m.get(DISCONNECTED, 0) - before[DISCONNECTED] >= 4
+    after = helpers.wait_idle(
+        server_url, lambda m: helpers.idle(m) and m.get(DISCONNECTED, 0) - before[DISCONNECTED] >= 4
     )
-    assert _idle(after), {k: after.get(k) for k in (RUNNING, WAITING, KV_USAGE)}
+    assert helpers.idle(after), {k: after.get(k) for k in (RUNNING, WAITING, KV_USAGE)}
     assert after[DISCONNECTED] - before[DISCONNECTED] >= 4
     generated = after[GENERATED] - before[GENERATED]
     assert generated < 4 * max_tokens // 2, f"{generated} tokens generated for 4 abandoned requests"

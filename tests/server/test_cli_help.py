@@ -112,8 +112,8 @@ def test_flag_has_choices(flag, choices):
 @pytest.mark.parametrize("flag, shown", [
     ("--dtype", "{auto,float32,float16,bfloat16}"),
     ("--quantization", "{int8,int4,w8a8}"),
-    ("--kernel-backend", "{auto,torch,triton}"),
-    ("--load-format", "{auto,dummy}"),
+    ("--kernel-backend", "{auto,cpu,torch,triton}"),
+    ("--load-format", "{auto,dummy,dequantize}"),
     ("--tool-call-parser", "{hermes,llama3_json}"),
 ])
 def test_help_shows_the_choices(help_text, flag, shown):

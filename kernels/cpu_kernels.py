@@ -1,0 +1,180 @@
+"""Pagoda's CPU kernels (kernels/csrc/cpu_kernels.cpp): build on first use, and the
+Python entry points with the reference ops' signatures.
+
+The extension is compiled by `torch.utils.cpp_extension` (ninja + the machine's C++
+compiler) with `-march=native`, once per machine: the build directory's name carries the
+source hash and a fingerprint of the CPU's instruction-set flags, so a cache carried to a
+different CPU is rebuilt instead of crashing on an unknown instruction. `make setup`
+builds it ahead of time (`python -m kernels.cpu_kernels`); a later start loads it in well
+under a second. Where it cannot be built (no compiler, another OS), `load()` returns None
+with the reason, and the engine runs the torch reference ops and logs that it does.
+
+Attention routing (`paged_attention`):
+- decodes and short chunks (up to `SHORT_CHUNK` new tokens), and every chunk of a
+  sliding-window layer: the C++ kernel, reading K/V where the block tables say they lie;
+  its cost follows the keys each query attends to, with no copy of them;
+- longer prefill chunks of full-attention layers: torch's flash-attention CPU kernel
+  (blocked GEMMs, faster than any dot-product loop at hundreds of queries) over the
+  chunk's K/V gathered once per layer. A chunk after cached tokens is two unmasked calls
+  (the cached prefix, then the chunk itself causally) merged by their log-sum-exp, instead
+  of one call with an explicit [q_len, ctx] mask, which takes SDPA's slow path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("pagoda.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# Up to this many new tokens a sequence's attention runs in the C++ kernel; longer full-
+# attention chunks go to torch's flash kernel (see the module docstring).
+SHORT_CHUNK = 16
+# Query tokens per C++ work item: a long windowed chunk splits into items the threads share.
+Q_CHUNK = 16
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction-set flags line of /proc/cpuinfo ("" where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def _cpu_fingerprint() -> str:
+    """A short hash of the CPU's instruction-set flags (what -march=native compiles for)."""
+    return hashlib.sha256((_cpu_flags() + torch.__version__).encode()).hexdigest()[:10]
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 products in hardware (x86 AVX512-BF16 or AMX-BF16,
+    Arm BF16): there bf16 halves the bytes each decode step streams at no loss of speed;
+    elsewhere bf16 is emulated and float32 is faster (`--dtype auto` decides by this)."""
+    flags = set(_cpu_flags().split(":", 1)[-1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def load() -> ModuleType | None:
+    """The compiled extension, building it if needed; None where it cannot be built (the
+    reason is in `unavailable_reason()`)."""
+    module = _state.get("module")
+    if module is not None:  # the per-call path: no lock once built
+        return module  # type: ignore[return-value]
+    with _lock:
+        if "module" in _state:
+            return _state["module"]  # type: ignore[return-value]
+        module, reason = None, None
+        if not sys.platform.startswith("linux"):
+            reason = f"the CPU kernels are built for Linux only (this is {sys.platform})"
+        else:
+            try:
+                from torch.utils import cpp_extension
+
+                digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+                module = cpp_extension.load(
+                    name=f"pagoda_cpu_kernels_{digest}_{_cpu_fingerprint()}",
+                    sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=os.environ.get("PAGODA_VERBOSE_BUILD") == "1",
+                )
+            except Exception as e:  # a missing compiler or ninja, a failed build: run the reference
+                reason = f"could not build the CPU kernels ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e})"
+        _state["module"], _state["reason"] = module, reason
+        if reason:
+            logger.warning("%s; running the torch reference ops on CPU (slower)", reason)
+        return module
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The reference op's semantics (kernels/reference.py), routed as the module docstring says."""
+    query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    window = int(sliding_window or 0)
+    # Windowed layers attend to at most `window` keys per query: the C++ kernel takes all.
+    skip_over = 0 if window else SHORT_CHUNK
+    load().paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
+                           Q_CHUNK, skip_over)
+    if skip_over and query.shape[0] > skip_over:
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+        for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+            if b - a > skip_over:
+                _attend_long_chunk(out, query, key_cache, value_cache, block_tables[i], lens[i], a, b, scale)
+    return out
+
+
+def _attend_long_chunk(out, query, key_cache, value_cache, table, ctx: int, start: int, end: int, scale: float) -> None:
+    """One sequence's prefill chunk of `end - start` new tokens after `ctx - (end - start)`
+    cached ones, through torch's flash-attention CPU kernel (no mask)."""
+    q_len = end - start
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    blocks = table[: (ctx + block_size - 1) // block_size].long()
+    # [ctx, kv, d] -> [1, heads, ctx, d]: the group's query heads share their KV head.
+    k = key_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+    v = value_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+    if group > 1:
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    k, v = k.unsqueeze(0), v.unsqueeze(0)
+    q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cached = ctx - q_len
+    if cached == 0:
+        o = flash(q, k, v, 0.0, True, scale=scale)[0]
+    else:
+        # Softmax over [cached prefix | chunk] = the two partial softmaxes merged by their
+        # log-sum-exp: the prefix is fully visible (no mask), the chunk is causal within itself.
+        o1, lse1 = flash(q, k[:, :, :cached], v[:, :, :cached], 0.0, False, scale=scale)[:2]
+        o2, lse2 = flash(q, k[:, :, cached:], v[:, :, cached:], 0.0, True, scale=scale)[:2]
+        m = torch.maximum(lse1, lse2)
+        w1, w2 = (lse1 - m).exp().unsqueeze(-1), (lse2 - m).exp().unsqueeze(-1)
+        o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    out[start:end] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def main() -> None:
+    """`python -m kernels.cpu_kernels`: build (or find) the extension; `make setup` runs it."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if load() is None:
+        print(f"CPU kernels not available: {unavailable_reason()}")
+    else:
+        print(f"CPU kernels ready ({SOURCE.name})")
+
+
+if __name__ == "__main__":
+    main()

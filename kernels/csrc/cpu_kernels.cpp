@@ -1,0 +1,506 @@
+// Pagoda's CPU kernels: paged attention that reads the KV blocks where they lie, the KV
+// write, and the fused element-wise steps of a decoder layer (residual add + RMSNorm,
+// rotary embedding). SiLU-and-multiply stays on torch's vectorised ops, which measured
+// faster than a plain loop here (its exp does not vectorise without -ffast-math). Built on first use by kernels/cpu_kernels.py
+// (torch.utils.cpp_extension, -O3 -march=native, cached on disk); the torch reference
+// ops in kernels/reference.py define the semantics and the tests hold these to them.
+//
+// Why C++ and not more torch ops: at decode a layer is ~30 small eager ops, each a
+// dispatch plus a pass over memory, and the reference attention first gathers every
+// sequence's K/V into a dense copy (then casts it to float, another copy). Here each op is
+// one pass, attention reads K/V once from the cache, and the loops vectorise (AVX-512 on
+// this project's CPUs) because they run over contiguous float scratch rows.
+//
+// Dtypes: float32 and bfloat16 (bf16 rounding as torch's eager ops round: compute in
+// float, round to nearest even once per op). Scores, softmax and accumulators are float32.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+
+// float -> bf16 bits, rounding to nearest even (NaN stays a quiet NaN), branch-free so the
+// loops that store rows vectorise (c10::BFloat16's constructor is a scalar call).
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
+}
+
+// Store x as T at dst[i].
+inline void store(float* dst, int64_t i, float x) { dst[i] = x; }
+inline void store(c10::BFloat16* dst, int64_t i, float x) { reinterpret_cast<uint16_t*>(dst)[i] = bf16_bits(x); }
+
+// x rounded to T's precision, as a float (what storing and reloading it would give).
+template <typename T> inline float round_to(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(bf16_bits(x)) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+}
+
+// Convert a row of `n` values to float (vectorises: bf16 -> float is a 16-bit shift).
+template <typename T>
+inline void load_row(float* __restrict dst, const T* __restrict src, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      dst[i] = f;
+    }
+  }
+}
+
+// exp(x) for x <= 0 (softmax weights), in a form the compiler vectorises (glibc's expf is
+// a scalar call): x = n ln2 + f ln2 with f in [0, 1), 2^f by a degree-6 polynomial
+// (relative error ~2e-7), 2^n put into the exponent bits. Below -87 it returns ~1e-38
+// instead of a denormal or 0; a softmax weight that small contributes nothing either way.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.4426950408889634f;
+  const float n = std::floor(t);
+  const float f = t - n;
+  float p = 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 64 == 0) {
+    // Four independent accumulators: the FMA chain is not latency-bound.
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 64) {
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), a1);
+      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 32), _mm512_loadu_ps(b + i + 32), a2);
+      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 48), _mm512_loadu_ps(b + i + 48), a3);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+#endif
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// Whether attend_item computes bf16 scores with vdpbf16ps (AVX512-BF16 compiled in, the
+// head dim a multiple of 32 known at compile time).
+#if defined(__AVX512BF16__)
+template <typename T, int64_t HD>
+constexpr bool kBf16Dots = std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 32 == 0;
+
+inline float dot_bf16(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(a + i), (__m512bh)_mm512_loadu_si512(b + i));
+    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(a + i + 32), (__m512bh)_mm512_loadu_si512(b + i + 32));
+  }
+  for (; i < n; i += 32) {
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(a + i), (__m512bh)_mm512_loadu_si512(b + i));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#else
+template <typename T, int64_t HD>
+constexpr bool kBf16Dots = false;
+
+inline float dot_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t) { return 0.f; }  // unused: kBf16Dots is false
+#endif
+
+// One work item of paged attention: sequence `s`, KV head `kvh`, query tokens [i0, i1) of
+// the sequence's new tokens. Every query head of the KV head's group is a row; each row
+// keeps a running max, sum and float accumulator (online softmax, one pass over K/V).
+// HD: the head dim as a compile-time constant (64, 128, 256: the loops over it unroll and
+// a row's accumulator stays in registers across a block's keys), or 0 for any other.
+template <typename T, int64_t HD>
+void attend_item(const T* q, const T* kc, const T* vc, const int32_t* table, T* out, int64_t ctx, int64_t q_len,
+                 int64_t i0, int64_t i1, int64_t q_start, int64_t kvh, int64_t H, int64_t Hkv, int64_t head_dim,
+                 int64_t BS, float scale, int64_t window, std::vector<float>& scratch) {
+  const int64_t D = HD ? HD : head_dim;
+  const int64_t g = H / Hkv;
+  const int64_t rows = (i1 - i0) * g;
+  const int64_t first_pos = ctx - q_len;  // position of new token 0
+  scratch.resize(rows * D * 2 + rows * 3 + BS * D * 2 + BS * rows + D);
+  float* qf = scratch.data();          // [rows, D] scaled queries
+  float* acc = qf + rows * D;          // [rows, D]
+  float* mx = acc + rows * D;          // [rows]
+  float* sm = mx + rows;               // [rows]
+  float* pos = sm + rows;              // [rows] position of each row's token (as float)
+  float* kt = pos + rows;              // [D, BS] this block's keys, transposed
+  float* vb = kt + BS * D;             // [BS, D] this block's values
+  float* sc = vb + BS * D;             // [rows, BS] scores
+  float* krow = sc + BS * rows;        // [D] one key row in float
+  for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = (i - i0) * g + j;
+      load_row(qf + r * D, q + ((q_start + i) * H + kvh * g + j) * D, D);
+      for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= scale;
+      pos[r] = static_cast<float>(first_pos + i);
+      mx[r] = -std::numeric_limits<float>::infinity();
+      sm[r] = 0.f;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  const int64_t last = first_pos + i1 - 1;  // newest position any row attends to
+  int64_t lo = 0;
+  if (window > 0) lo = std::max<int64_t>(0, first_pos + i0 - window + 1);
+  const int64_t row_stride = Hkv * D;  // between consecutive tokens of a block
+  for (int64_t b = lo / BS; b * BS <= last; ++b) {
+    const int64_t phys = table[b];
+    const int64_t t0 = std::max(lo, b * BS), t1 = std::min(last + 1, (b + 1) * BS);
+    const int64_t nt = t1 - t0;
+    const T* kblk = kc + (phys * BS + (t0 - b * BS)) * row_stride + kvh * D;
+    const T* vblk = vc + (phys * BS + (t0 - b * BS)) * row_stride + kvh * D;
+    // Scores: with many rows (a prefill chunk) the keys are transposed ([d][t]), so a
+    // row's scores over the block are D vector FMAs across tokens with no horizontal sum;
+    // with few (a decode: the KV head's group of query heads) the transpose would cost
+    // more than it saves, and each score is one dot product over a converted key row.
+    // bf16 on a CPU with AVX512-BF16, few rows: the dot products run on the bf16 query
+    // and key rows as stored (vdpbf16ps: exact products, float32 sums), no key conversion.
+    const bool transposed = rows >= 8;
+    const bool bf16_dots = kBf16Dots<T, HD> && !transposed;
+    for (int64_t t = 0; t < nt; ++t) {
+      if (transposed) {
+        load_row(krow, kblk + t * row_stride, D);
+        for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = krow[d];
+      } else if (!bf16_dots) {
+        load_row(kt + t * D, kblk + t * row_stride, D);  // [t][d]
+      }
+      load_row(vb + t * D, vblk + t * row_stride, D);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t p = static_cast<int64_t>(pos[r]);
+      // Keys this row may see inside [t0, t1): p - window < k <= p.
+      const int64_t k_lo = window > 0 ? std::max(t0, p - window + 1) : t0;
+      const int64_t k_hi = std::min(t1, p + 1);
+      if (k_hi <= k_lo) continue;
+      float* sr = sc + r * BS;  // scores of the block's tokens t = 0..nt
+      const float* qr = qf + r * D;
+      if (transposed) {
+        std::fill(sr, sr + nt, 0.f);
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qr[d];
+          const float* kd = kt + d * BS;
+#pragma omp simd
+          for (int64_t t = 0; t < nt; ++t) sr[t] += qd * kd[t];
+        }
+      } else {
+        bool done = false;
+        if constexpr (kBf16Dots<T, HD>) {
+          if (bf16_dots) {
+            const int64_t i = i0 + r / g, j = r % g;
+            const T* qraw = q + ((q_start + i) * H + kvh * g + j) * D;
+            for (int64_t k = k_lo; k < k_hi; ++k) sr[k - t0] = scale * dot_bf16(qraw, kblk + (k - t0) * row_stride, D);
+            done = true;
+          }
+        }
+        if (!done) {
+          for (int64_t k = k_lo; k < k_hi; ++k) sr[k - t0] = dot(qr, kt + (k - t0) * D, D);
+        }
+      }
+      float* s = sr - t0;  // s[k] for k in [k_lo, k_hi)
+      float bmax = -std::numeric_limits<float>::infinity();
+      for (int64_t k = k_lo; k < k_hi; ++k) bmax = std::max(bmax, s[k]);
+      const float m_new = std::max(mx[r], bmax);
+      // Rescale what was accumulated under the old max (nothing on the first block: mx = -inf).
+      const float corr = mx[r] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(mx[r] - m_new);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = k_lo; k < k_hi; ++k) {
+        s[k] = exp_nonpositive(s[k] - m_new);
+        sum += s[k];
+      }
+      float* a = acc + r * D;
+      if constexpr (HD > 0) {
+        // The row's accumulator in a local array the compiler keeps in registers over
+        // the block's keys (HD / 16 AVX-512 registers), instead of a load and a store per key.
+        float ar[HD];
+        for (int64_t d = 0; d < HD; ++d) ar[d] = a[d] * corr;
+        for (int64_t k = k_lo; k < k_hi; ++k) {
+          const float w = s[k];
+          const float* __restrict vr = vb + (k - t0) * HD;
+          for (int64_t d = 0; d < HD; ++d) ar[d] += w * vr[d];
+        }
+        for (int64_t d = 0; d < HD; ++d) a[d] = ar[d];
+      } else {
+        if (corr != 1.f) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+        }
+        for (int64_t k = k_lo; k < k_hi; ++k) {
+          const float w = s[k];
+          const float* vr = vb + (k - t0) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+        }
+      }
+      sm[r] = sm[r] * corr + sum;
+      mx[r] = m_new;
+    }
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = (i - i0) * g + j;
+      const float inv = 1.f / sm[r];
+      T* o = out + ((q_start + i) * H + kvh * g + j) * D;
+      for (int64_t d = 0; d < D; ++d) store(o, d, acc[r * D + d] * inv);
+    }
+  }
+}
+
+struct Item {
+  int64_t seq, kvh, i0, i1, cost;
+};
+
+template <typename T>
+void paged_attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                          const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                          const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
+                          int64_t window, int64_t q_chunk, int64_t skip_over) {
+  const int64_t H = query.size(1), D = query.size(2);
+  const int64_t BS = key_cache.size(1), Hkv = key_cache.size(2);
+  const int64_t S = seq_lens.size(0), max_blocks = block_tables.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    if (skip_over > 0 && q_len > skip_over) continue;  // the caller attends this chunk
+    for (int64_t i0 = 0; i0 < q_len; i0 += q_chunk) {
+      const int64_t i1 = std::min(q_len, i0 + q_chunk);
+      for (int64_t h = 0; h < Hkv; ++h) items.push_back({s, h, i0, i1, (i1 - i0) * lens[s]});
+    }
+  }
+  // Largest items first, then dynamic scheduling: a long prefill chunk and many decodes
+  // in one step balance over the threads.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const T* q = query.data_ptr<T>();
+  const T* kc = key_cache.data_ptr<T>();
+  const T* vc = value_cache.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n; ++it) {
+      const Item& w = items[it];
+      const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
+      const int32_t* table = tables + w.seq * max_blocks;
+      const float sc = static_cast<float>(scale);
+#define PAGODA_ATTEND(HD) \
+  attend_item<T, HD>(q, kc, vc, table, o, lens[w.seq], q_len, w.i0, w.i1, qsl[w.seq], w.kvh, H, Hkv, D, BS, sc, window, scratch)
+      if (D == 64) {
+        PAGODA_ATTEND(64);
+      } else if (D == 128) {
+        PAGODA_ATTEND(128);
+      } else if (D == 256) {
+        PAGODA_ATTEND(256);
+      } else {
+        PAGODA_ATTEND(0);
+      }
+#undef PAGODA_ATTEND
+    }
+  }
+}
+
+}  // namespace
+
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
+                     int64_t sliding_window, int64_t q_chunk, int64_t skip_over) {
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous(),
+              "paged_attention: contiguous query, caches and out expected");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "paged_attention: int32 block_tables, seq_lens and query_start_loc expected");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "paged_attention: query, caches and out must share a dtype");
+  auto bt = block_tables.contiguous();
+  if (query.scalar_type() == at::kFloat) {
+    paged_attention_impl<float>(out, query, key_cache, value_cache, bt, seq_lens, query_start_loc, scale,
+                                sliding_window, q_chunk, skip_over);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    paged_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, bt, seq_lens, query_start_loc, scale,
+                                        sliding_window, q_chunk, skip_over);
+  } else {
+    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 expected, got ", query.scalar_type());
+  }
+}
+
+// key/value [T, Hkv, D] (rows may be strided views of the fused QKV output) into their
+// cache slots; a negative slot is skipped (padding).
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+                       torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "reshape_and_cache: dtype mismatch");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key.stride(1) == key.size(2) &&
+                  value.stride(1) == value.size(2),
+              "reshape_and_cache: each token's heads must be contiguous");
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t bytes = row * key.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (slots[t] < 0) continue;
+      std::memcpy(kc + slots[t] * bytes, k + t * ks, bytes);
+      std::memcpy(vc + slots[t] * bytes, v + t * vs, bytes);
+    }
+  });
+}
+
+namespace {
+
+// RMSNorm of one row, as the model's RMSNorm computes it: in float, rounded to the dtype,
+// then times the weight (a second rounding in bf16, as torch's `weight * h.to(dtype)`).
+template <typename T>
+inline void rms_norm_row(T* __restrict dst, const float* __restrict x, const T* __restrict w, int64_t n, float eps,
+                         float* __restrict wf) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  load_row(wf, w, n);
+  for (int64_t i = 0; i < n; ++i) {
+    store(dst, i, wf[i] * round_to<T>(x[i] * inv));
+  }
+}
+
+template <typename T>
+void add_rms_norm_impl(torch::Tensor& out, torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor* add,
+                       const torch::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* ap = add ? add->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(n), tmp(n), wf(n);
+    for (int64_t r = b; r < e; ++r) {
+      load_row(buf.data(), xp + r * n, n);
+      if (ap) {
+        // residual = x + add, rounded to the dtype as torch's `x + add` is.
+        load_row(tmp.data(), ap + r * n, n);
+        for (int64_t i = 0; i < n; ++i) {
+          const float s = round_to<T>(buf[i] + tmp[i]);
+          store(rp + r * n, i, s);  // exact: s is already representable
+          buf[i] = s;
+        }
+      }
+      rms_norm_row<T>(op + r * n, buf.data(), wp, n, static_cast<float>(eps), wf.data());
+    }
+  });
+}
+
+}  // namespace
+
+// out = RMSNorm(x + add) * weight, and residual = x + add (residual may alias x). With no
+// `add`, out = RMSNorm(x) * weight and residual is untouched.
+void add_rms_norm(torch::Tensor out, torch::Tensor residual, torch::Tensor x, c10::optional<torch::Tensor> add,
+                  torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "add_rms_norm: contiguous tensors expected");
+  const torch::Tensor* a = add.has_value() ? &add.value() : nullptr;
+  if (a) TORCH_CHECK(a->is_contiguous(), "add_rms_norm: contiguous add expected");
+  if (x.scalar_type() == at::kFloat) {
+    add_rms_norm_impl<float>(out, residual, x, a, weight, eps);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    add_rms_norm_impl<c10::BFloat16>(out, residual, x, a, weight, eps);
+  } else {
+    TORCH_CHECK(false, "add_rms_norm: float32 or bfloat16 expected");
+  }
+}
+
+namespace {
+
+template <typename T>
+void rotary_impl(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions) {
+  const int64_t T_ = qk.size(0), heads = qk.size(1), D = qk.size(2), half = D / 2;
+  const int64_t token_stride = qk.stride(0);
+  T* p = qk.data_ptr<T>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> x(D);
+    for (int64_t t = b; t < e; ++t) {
+      const float* ct = c + pos[t] * half;
+      const float* st = s + pos[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = p + t * token_stride + h * D;
+        load_row(x.data(), row, D);
+        for (int64_t i = 0; i < half; ++i) {
+          store(row, i, x[i] * ct[i] - x[i + half] * st[i]);
+          store(row, i + half, x[i + half] * ct[i] + x[i] * st[i]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Rotate qk [T, heads, D] in place (rotate-half RoPE) by float32 tables cos/sin
+// [max_positions, D/2] at `positions` [T] int64. qk may be a strided view whose heads are
+// contiguous (the q and k columns of the fused QKV output).
+void rotary(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+  TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "rotary: each token's heads must be contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "rotary: contiguous float32 tables expected");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "rotary: int64 positions expected");
+  if (qk.scalar_type() == at::kFloat) {
+    rotary_impl<float>(qk, cos, sin, positions);
+  } else if (qk.scalar_type() == at::kBFloat16) {
+    rotary_impl<c10::BFloat16>(qk, cos, sin, positions);
+  } else {
+    TORCH_CHECK(false, "rotary: float32 or bfloat16 expected");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention);
+  m.def("reshape_and_cache", &reshape_and_cache);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rotary", &rotary);
+}

@@ -1,0 +1,118 @@
+"""The C++ CPU kernels (kernels/cpu_kernels.py) against the dense float64 reference and
+the torch reference ops: paged attention read in place (decodes, short and long prefill
+chunks, after cached tokens, sliding windows, GQA ratios, head dims 64/128/256, bf16),
+the KV write, and the fused element-wise ops."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from kernels import cpu_kernels, elementwise, reference
+from tests.kernels.paged_batches import assert_close_to_reference, make_batch
+
+# On Linux (CI, the project's machines) the kernels must build: a failed build fails here
+# instead of skipping everything below.
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU kernels are built on Linux only")
+
+
+def test_the_kernels_build_here():
+    assert cpu_kernels.load() is not None, cpu_kernels.unavailable_reason()
+
+LONG = cpu_kernels.SHORT_CHUNK + 9  # a chunk long enough for the flash-attention route
+
+BATCHES = {
+    "decodes": [(1, 1), (17, 1), (33, 1), (100, 1)],
+    "short chunks after cache": [(40, 7), (16, 16), (50, 3)],
+    "long chunk, no cache": [(LONG, LONG), (9, 1)],
+    "long chunk after cache": [(LONG + 40, LONG), (33, 1), (20, 5)],
+    "mixed": [(5, 1), (LONG + 70, LONG), (64, 16), (1, 1), (31, 2)],
+}
+
+
+@pytest.mark.parametrize("name", BATCHES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 8, 128), (4, 1, 256)])
+@pytest.mark.parametrize("window", [None, 5, 16, 40])
+def test_paged_attention_equals_dense_reference(name, heads, kv_heads, head_dim, window):
+    batch = make_batch(BATCHES[name], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                       block_order="shuffled", seed=len(name))
+    out = cpu_kernels.paged_attention(*batch.args(), batch.scale, sliding_window=window)
+    assert_close_to_reference(out, batch, window)
+
+
+@pytest.mark.parametrize("name", ["decodes", "mixed"])
+def test_paged_attention_bf16(name):
+    batch = make_batch(BATCHES[name], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                       dtype=torch.bfloat16, block_order="shuffled")
+    out = cpu_kernels.paged_attention(*batch.args(), batch.scale)
+    assert out.dtype == torch.bfloat16
+    assert_close_to_reference(out, batch)
+
+
+def test_paged_attention_writes_into_out_and_block_size_1():
+    batch = make_batch([(7, 1), (5, 5)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=1,
+                       block_order="shuffled")
+    out = torch.full_like(batch.query, float("nan"))
+    assert cpu_kernels.paged_attention(*batch.args(), batch.scale, out) is out
+    assert_close_to_reference(out, batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_equals_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(6, (4 + 2 + 2) * 64, generator=g).to(dtype)  # a fused projection's output
+    k = qkv[:, 4 * 64 : 6 * 64].view(6, 2, 64)  # strided views, as the model passes them
+    v = qkv[:, 6 * 64 :].view(6, 2, 64)
+    slots = torch.tensor([3, 17, 0, 31, 8, 9])
+    want = [torch.randn(2, 16, 2, 64, generator=g).to(dtype) for _ in range(2)]
+    got = [c.clone() for c in want]
+    reference.reshape_and_cache(k, v, *want, slots)
+    cpu_kernels.reshape_and_cache(k, v, *got, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bf16: at most one rounding step apart (the kernels compute in float32, as torch's
+    ops do, but exp/rsqrt may differ in the last float bit); float32: a few ulps."""
+    if a.dtype == torch.bfloat16:
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=8e-3)
+    else:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_add", [True, False])
+def test_add_rms_norm_equals_reference(dtype, with_add):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 576, generator=g).to(dtype)
+    add = torch.randn(5, 576, generator=g).to(dtype) if with_add else None
+    weight = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    want_normed, want_sum = elementwise.add_rms_norm(x.clone(), add, weight, 1e-5)
+    residual = x.clone()
+    normed, summed = elementwise.cpu_add_rms_norm(residual, add, weight, 1e-5)
+    assert summed is residual  # the residual stream is updated in place
+    assert torch.equal(summed, want_sum)  # one rounding of x + add, as torch's add
+    _close(normed, want_normed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_qk_equals_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 12 * 64, generator=g).to(dtype)
+    qk = qkv[:, : 10 * 64].view(5, 10, 64)  # q and k heads of a fused projection: a strided view
+    angles = torch.outer(torch.arange(100.0), 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 1, 7, 50, 99])
+    want = elementwise.rotate_qk_(qk.clone(), cos, sin, positions)
+    v_before = qkv[:, 10 * 64 :].clone()
+    assert elementwise.cpu_rotate_qk_(qk, cos, sin, positions) is qk
+    _close(qk, want)
+    assert torch.equal(qkv[:, 10 * 64 :], v_before)  # the V columns beside are untouched
+
+
+def test_build_names_carry_the_cpu_fingerprint():
+    """A build cache carried to another CPU is rebuilt, not loaded (-march=native)."""
+    module = cpu_kernels.load()
+    assert cpu_kernels._cpu_fingerprint() in module.__name__
