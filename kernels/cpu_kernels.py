@@ -81,6 +81,7 @@ def load() -> ModuleType | None:
             reason = f"the CPU kernels are built for Linux only (this is {sys.platform})"
         else:
             try:
+                _put_ninja_on_path()
                 from torch.utils import cpp_extension
 
                 digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
@@ -97,6 +98,19 @@ def load() -> ModuleType | None:
         if reason:
             logger.warning("%s; running the torch reference ops on CPU (slower)", reason)
         return module
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the pip package (a dependency) installs it
+    beside this interpreter, which is not on PATH when the venv is not activated."""
+    import shutil
+
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def unavailable_reason() -> str | None:
