@@ -5,8 +5,6 @@ the fused CPU kernels (kernels/csrc/cpu_kernels.cpp), chosen by `KernelOps`.
   (normed, summed): summed = x + add (x itself with no add), normed = RMSNorm(summed) * w,
   normalised in float32, rounded to the dtype, then scaled (as Hugging Face's LlamaRMSNorm).
   The CPU kernel writes `summed` into x's storage: callers pass a residual stream they own.
-- `silu_and_mul(gate_up)`: SwiGLU's `silu(gate) * up` over a fused [T, 2I] projection
-  (torch's ops on every backend so far: faster on CPU than the plain C++ loop measured).
 - `rotate_qk_(qk, cos, sin, positions)`: rotate-half RoPE of q and k heads, in place.
 
 Each reference is a few eager torch ops; each CPU kernel is one pass over the rows.
@@ -30,11 +28,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     summed = x if add is None else x + add
     return rms_norm(summed, weight, eps), summed
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,6 @@ class KernelOps:
     forward_scope: Callable[[], ContextManager] = contextlib.nullcontext
     # The element-wise steps of a layer (kernels/elementwise.py): reference or fused.
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = elementwise.add_rms_norm
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = elementwise.silu_and_mul
     # RoPE in place (qk, cos table, sin table, positions) where the backend has it; None:
     # the model rotates with torch ops, reusing the step's cos/sin lookups across layers.
     rotate_qk_: Callable[..., torch.Tensor] | None = None

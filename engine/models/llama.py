@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.models.args import ModelArgs, rope_inv_freq
+from kernels.elementwise import rms_norm, rotate_half
 from kernels.linear import linear, pack_weight, packed_linear
 from kernels.ops import KernelOps
 
@@ -44,7 +45,7 @@ class RotaryEmbedding(nn.Module):
     def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """Rotate q and k heads side by side ([T, H + Hkv, D], one pass): their columns are
         adjacent in the fused QKV projection, and both turn by the same angles."""
-        return _rotate(qk, *self.cos_sin(positions))
+        return rotate_half(qk, *self.cos_sin(positions))
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 cos and sin tables [max_positions, head_dim / 2]."""
@@ -61,20 +62,21 @@ class RotaryAt:
     def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor) -> None:
         self.rope = rope
         self.positions = positions
-        self._cos_sin = rope.cos_sin(positions)
+        # Looked up on first use: a backend that rotates in place from the tables
+        # (KernelOps.rotate_qk_) never needs it.
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._cos_sin if positions is self.positions else self.rope.cos_sin(positions)
+        if positions is not self.positions:
+            return self.rope.cos_sin(positions)
+        if self._cos_sin is None:
+            self._cos_sin = self.rope.cos_sin(positions)
+        return self._cos_sin
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.tables()
 
     rotate_qk = RotaryEmbedding.rotate_qk  # the same rotation, through this cos_sin
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class Linear(nn.Module):
@@ -140,13 +142,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # torch's fused kernel: bit-identical to the steps below in float32, fewer ops.
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Same order of operations as HF LlamaRMSNorm: normalise in fp32, cast, then scale.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)  # HF LlamaRMSNorm's order of operations
 
     def add_norm(self, x: torch.Tensor, add: torch.Tensor | None, ops: KernelOps) -> tuple[torch.Tensor, torch.Tensor]:
         """(this norm of x + add, x + add) in one op where the backend fuses them; the sum
@@ -221,15 +217,11 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = args.intermediate_size
         self.act = ACTIVATIONS[args.hidden_act]
-        self.swiglu = args.hidden_act == "silu"  # the backend's fused silu-and-multiply applies
         self.gate_up_proj = Linear(args.hidden_size, [args.intermediate_size] * 2, args.mlp_bias)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
 
-    def forward(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if ops is not None and self.swiglu:
-            return self.down_proj(ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -250,7 +242,7 @@ class DecoderLayer(nn.Module):
         ops: KernelOps = attn_args[-1]
         h, _ = self.input_layernorm.add_norm(x, None, ops)
         h, x = self.post_attention_layernorm.add_norm(x, self.self_attn(h, *attn_args), ops)
-        return x + self.mlp(h, ops)
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
