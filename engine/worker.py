@@ -171,8 +171,8 @@ class Worker:
         the decoder linears; the scheduler scales its prefill chunk cap by it (on CPU).
         FLOPs: 2 x (linear weights per layer) against 4 x heads x head_dim per context
         token (QK^T and PV); time: attention of a prefill chunk runs at about a quarter of
-        the linears' GEMM rate on CPU (torch's flash kernel ~100 GFLOP/s against oneDNN's
-        ~400 here: docs/BENCHMARKS.md), hence / CPU_ATTENTION_SLOWDOWN. ~770 tokens for
+        the linears' GEMM rate on CPU (torch's flash kernel 80-130 GFLOP/s against oneDNN's
+        ~400 here: `python -m loadtest.bench_cpu_attention`, docs/BENCHMARKS.md), hence / CPU_ATTENTION_SLOWDOWN. ~770 tokens for
         SmolLM2-135M."""
         a = self.args
         q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
