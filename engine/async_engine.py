@@ -57,6 +57,8 @@ class _Add:
     """`time.monotonic()` by which the request must have finished."""
     queue_deadline: float | None = None
     """`time.monotonic()` by which the request must have been scheduled."""
+    tenant: str | None = None
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -204,6 +206,8 @@ class AsyncEngine:
         cache_salt: str | None = None,
         deadline: float | None = None,
         max_queue_time: float | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step in which any of the n samples advanced.
 
@@ -214,6 +218,9 @@ class AsyncEngine:
         `deadline` (a `time.monotonic()` value): past it the request is aborted and the
         iterator raises RequestTimeoutError. `max_queue_time` (seconds from now): if the
         request is not scheduled by then, it is aborted and QueueTimeoutError is raised.
+
+        `tenant` and `priority` place it in the scheduler's waiting queue: lower priority
+        first, then fair between tenants (engine/fair_queue.py).
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
@@ -232,7 +239,8 @@ class AsyncEngine:
             self.num_unfinished += 1
             fork_of = children[0] if j else None
             params_j = child_params(params, j)
-            self._inbox.put(_Add(child, list(prompt_token_ids), params_j, cache_salt, fork_of, deadline, queue_deadline))
+            self._inbox.put(_Add(child, list(prompt_token_ids), params_j, cache_salt, fork_of, deadline, queue_deadline,
+                                 tenant, priority))
         pending = set(children)
         # The prompt counts as waiting until the first output, which means it was prefilled.
         num_waiting_tokens = len(prompt_token_ids)
@@ -310,7 +318,8 @@ class AsyncEngine:
                     if isinstance(item, _Add):
                         try:
                             core.add_request(
-                                item.request_id, item.prompt_token_ids, item.params, item.cache_salt, item.fork_of
+                                item.request_id, item.prompt_token_ids, item.params, item.cache_salt, item.fork_of,
+                                item.tenant, item.priority,
                             )
                         except ValueError as e:  # validated before; a race is still an error, not a crash
                             self._deliver_error(item.request_id, e)

@@ -200,6 +200,18 @@ class BlockManager:
             elif self.ref_counts[block_id] < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks beyond what `num_tokens` tokens need: the tail that
+        held only rejected draft tokens (speculative decoding). Such blocks were never full
+        of verified tokens, so the prefix cache never registered them."""
+        table = self.block_tables.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        while table is not None and len(table) > keep:
+            block_id = table.pop()
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_blocks[block_id] = None
+
     def fork(self, parent_id: str, child_id: str, num_blocks: int) -> None:
         """Give `child_id` the parent's first `num_blocks` blocks by reference."""
         if child_id in self.block_tables:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.quantization import LM_HEAD_QUANTIZATIONS
 from engine.quantization import METHODS as QUANTIZATION_METHODS
 
 _DTYPES = {
@@ -43,6 +44,8 @@ class ModelConfig:
     """Longest sequence (prompt + output) served; none: the model's max_position_embeddings (8192 for the bundled model)."""
     quantization: str | None = None
     """Load-time RTN quantization of the decoder linears: int8 / int4 weight-only (per-channel / group 128), or w8a8 (int8 weights and per-token int8 activations); none: float, or what the folder's quantization_config says."""
+    lm_head_quantization: str = "auto"
+    """The LM head under --quantization: int8 (weight-only, per channel), none (the compute dtype), or auto: int8 under int8 and w8a8; under int4 the compute dtype on CUDA (as AutoAWQ/AutoGPTQ keep it) and int8 on CPU (torch's int8 kernel reads it faster than the float GEMM)."""
     seed: int = 0
     """Seed of the global sampling generator (requests without their own seed)."""
     device: str = "auto"
@@ -65,6 +68,12 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+        if self.lm_head_quantization not in LM_HEAD_QUANTIZATIONS:
+            raise ValueError(
+                f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATIONS}, got {self.lm_head_quantization!r}"
+            )
+        if self.lm_head_quantization == "int8" and self.quantization is None:
+            raise ValueError("lm_head_quantization int8 applies with --quantization (int8, int4 or w8a8)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
 
@@ -108,6 +117,8 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
 
 
+SCHEDULING_POLICIES = ("fair", "fcfs")
+"""`--scheduling-policy` values (engine/fair_queue.py)."""
 CPU_LONG_PREFILL_CHUNK = 512
 """Default longest prefill chunk per request and step on CPU (SchedulerConfig)."""
 
@@ -120,8 +131,12 @@ class SchedulerConfig:
     """Token budget of one step (decodes + prefill chunks)."""
     long_prefill_token_threshold: int | None = None
     """Longest prefill chunk of one request in one step; none: on CPU 512 tokens, scaled down as the request's context grows (by w / (w + context), w the context length whose attention takes as long as the decoder linears: ~770 tokens for the bundled model), so a step with a chunk costs about the same at any context and a long prompt stalls the streams decoding beside it by a bounded time; on CUDA the whole budget."""
+    scheduling_policy: str = "fair"
+    """Order of the waiting queue: fair (by request priority, lower first, then the tenant - API key - with the least recent use of the engine, then arrival; preemption takes the last in that order, and a tenant below its share of --max-num-seqs may preempt one above it) or fcfs (arrival order only; a request priority other than 0 is refused)."""
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -157,6 +172,76 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
+@dataclass(frozen=True, slots=True)
+class NgramSpeculation:
+    """Prompt-lookup speculation, parsed from `--speculative-config` (vLLM's keys)."""
+
+    num_speculative_tokens: int
+    """k: draft tokens proposed per step for a decoding request (verified in the same pass)."""
+    prompt_lookup_max: int
+    """Longest suffix n-gram matched against the request's own tokens."""
+    prompt_lookup_min: int
+    """Shortest suffix n-gram that counts as a match."""
+    disable_by_batch_size: int | None
+    """No proposals in a step whose running batch has at least this many requests (none: always on)."""
+
+
+_SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size"}
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
+"""Speculation's default batch-size cut-off: beyond a few streams a CPU step is no longer
+memory-bound, so verifying k extra tokens per stream costs throughput (docs/BENCHMARKS.md)."""
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    speculative_config: str | dict | None = None
+    """Speculative decoding as JSON, vLLM's spelling: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}: each decoding request proposes up to k tokens that followed the latest earlier occurrence of its longest suffix n-gram (prompt + output) and verifies them in the same forward pass; the output is what it would be without (greedy: token for token; sampled: the same distribution). Off above disable_by_batch_size running requests (default 8); under a grammar, drafts are trimmed to what it allows. none: off."""
+
+    def __post_init__(self) -> None:
+        self.ngram  # validates
+
+    @property
+    def ngram(self) -> NgramSpeculation | None:
+        """The parsed settings; None when speculation is off. Raises ValueError on a bad value."""
+        raw = self.speculative_config
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            import json
+
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        unknown = sorted(set(raw) - _SPECULATIVE_KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {unknown}; supported: {sorted(_SPECULATIVE_KEYS)}")
+        method = raw.get("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative_config: method {method!r} is not supported (only 'ngram', prompt lookup)")
+
+        def integer(key: str, default: int | None, low: int) -> int | None:
+            value = raw.get(key, default)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"speculative_config: {key} must be an integer >= {low}, got {value!r}")
+            return value
+
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        k = integer("num_speculative_tokens", None, 1)
+        lookup_max = integer("prompt_lookup_max", 4, 1)
+        lookup_min = integer("prompt_lookup_min", min(2, lookup_max), 1)
+        if lookup_min > lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lookup_min}) > prompt_lookup_max ({lookup_max})")
+        disable = integer("disable_by_batch_size", DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE, 1)
+        return NgramSpeculation(k, lookup_max, lookup_min, disable)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -164,6 +249,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> "EngineConfig":
@@ -185,4 +271,5 @@ class EngineConfig:
             scheduler=SchedulerConfig(**sections["scheduler"]),
             kernel=KernelConfig(**sections["kernel"]),
             parallel=ParallelConfig(**sections["parallel"]),
+            speculative=SpeculativeConfig(**sections["speculative"]),
         )

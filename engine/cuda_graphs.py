@@ -193,7 +193,9 @@ def build_decode_graph_runner(
     log: bool = True,
 ) -> DecodeGraphRunner | None:
     """The captured runner on CUDA, or None (with the reason logged) when this engine's
-    forward pass cannot be captured."""
+    forward pass cannot be captured, or when capturing it fails: the eager path is
+    correct anyway, so a capture error (a host sync or host -> device copy some op does
+    inside the capture, an out-of-memory graph pool, ...) costs speed, not the server."""
     reason = graphs_unsupported_reason(worker.ops, worker.args, tensor_parallel_size)
     if reason is not None:
         if log:
@@ -202,5 +204,18 @@ def build_decode_graph_runner(
     runner = DecodeGraphRunner(
         worker, block_manager, graph_batch_sizes(max_num_seqs, max_batch_size), use_cuda_graphs=True
     )
-    runner.capture(log)
+    try:
+        runner.capture(log)
+    except Exception as e:  # noqa: BLE001 - any capture failure falls back to the eager path
+        runner.graphs.clear()
+        if worker.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(worker.device)
+            except RuntimeError:
+                pass  # the capture's own error; the eager steps report anything lasting
+        if log:
+            reason = (str(e).strip().splitlines() or [""])[0]
+            print(f"[pagoda] fallback: CUDA graph capture failed ({type(e).__name__}: {reason}); decode steps run "
+                  "eagerly", file=sys.stderr, flush=True)
+        return None
     return runner

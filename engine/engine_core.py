@@ -24,9 +24,10 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import ModelArgs
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, TokenLogprobs, token_logprobs
+from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import DraftRow, num_accepted
 from engine.stats import FinishedRequestStats, StepStats
 from engine.structured_output import GrammarError, StepGrammars, default_manager
 from engine.worker import Worker
@@ -91,7 +92,10 @@ class EngineCore:
         context_weight = None
         if self.worker.device.type == "cpu" and config.scheduler.long_prefill_token_threshold is None:
             context_weight = self.worker.prefill_context_weight()
-        self.scheduler = Scheduler(config.scheduler.for_device(self.worker.device), self.block_manager, context_weight)
+        self.speculation = config.speculative.ngram
+        self.scheduler = Scheduler(
+            config.scheduler.for_device(self.worker.device), self.block_manager, context_weight, self.speculation
+        )
         if self.executor is not None:
             self.executor.worker = self.worker
         self.runner = ModelRunner(
@@ -134,6 +138,7 @@ class EngineCore:
             "max_num_seqs": str(sc.max_num_seqs),
             "max_num_batched_tokens": str(sc.max_num_batched_tokens),
             "prefix_caching": "on" if cc.enable_prefix_caching else "off",
+            "speculative_decoding": _describe_speculation(self.speculation),
         }
 
     # ---- the model side's facts (read-only) ------------------------------------------------
@@ -202,6 +207,8 @@ class EngineCore:
         params: SamplingParams,
         cache_salt: str | None = None,
         fork_of: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a single-sample request. n > 1 is fanned out above this layer into samples
         whose `fork_of` names sample 0: they share its prompt blocks instead of recomputing."""
@@ -212,6 +219,7 @@ class EngineCore:
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, max_tokens, cache_salt=cache_salt)
+        request.tenant, request.priority = tenant, priority  # the scheduler's fair order (engine/fair_queue.py)
         if params.structured_output is not None:
             # Raises GrammarError (a ValueError) here if the compile already failed.
             request.grammar = self.structured_output.request_grammar(params.structured_output)
@@ -277,13 +285,16 @@ class EngineCore:
                 t1 = time.perf_counter()
                 logits = self.runner.execute(sched)
                 t2 = time.perf_counter()
+                spec = sched.spec_tokens
                 sampling = [
-                    r for r, n in zip(sched.scheduled, sched.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens
+                    r for r, n in zip(sched.scheduled, sched.num_scheduled_tokens)
+                    if r.num_computed_tokens + n - len(spec.get(r.request_id, ())) == r.num_tokens
                 ]
-                if self.runner.prompt_rows:
-                    self._record_prompt_logprobs(logits[len(sampling):])
-                    logits = logits[: len(sampling)]
-                sampled = self.sampler(logits, sampling, self._step_grammars(sampling)) if sampling else None
+                # One sampler row per sampling request; 1 + k for one verifying k drafts.
+                rows = _sampler_rows(sampling, spec) if spec else sampling
+                sampled = self.sampler(logits, rows, self._step_grammars(rows)) if rows else None
+                if self.runner.prompt_rows:  # after the sampler's wait: their transfer is ready
+                    self._record_prompt_logprobs()
             outputs = failed_grammars + self._update(sched, sampling, sampled, stats)
         except TensorParallelError:
             raise  # the ranks are out of step: no later step can run
@@ -322,12 +333,26 @@ class EngineCore:
         self._grammar_waiting = still_waiting
         return outputs
 
-    def _step_grammars(self, sampling: list[Request]) -> StepGrammars | None:
-        """This step's grammar-constrained sampling rows; None when there are none."""
+    def _step_grammars(self, sampling: list) -> StepGrammars | None:
+        """This step's grammar-constrained sampling rows; None when there are none.
+
+        A draft row (speculative decoding) gets a copy of its request's matcher advanced
+        through the drafts before it; the request's own matcher is advanced afterwards by
+        the tokens actually emitted (`_update`), so nothing needs rolling back."""
         rows = [i for i, r in enumerate(sampling) if r.grammar is not None and r.max_tokens > 0]
         if not rows:
             return None
-        return StepGrammars(self.structured_output, rows, [sampling[i].grammar.matcher for i in rows])
+        matchers = []
+        for i in rows:
+            row = sampling[i]
+            if isinstance(row, DraftRow):
+                previous = matchers[-1]  # the row before: the same request, one draft fewer
+                matcher = previous.copy()
+                matcher.accept_token(row.output_token_ids[-1])
+            else:
+                matcher = row.grammar.matcher
+            matchers.append(matcher)
+        return StepGrammars(self.structured_output, rows, matchers)
 
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> "StepFailedError":
         """A step raised: end its requests (the others are untouched) and keep the engine usable.
@@ -369,42 +394,63 @@ class EngineCore:
     def _update(self, sched, sampling: list[Request], sampled, stats: StepStats | None) -> list[RequestOutput]:
         for request, n in zip(sched.scheduled, sched.num_scheduled_tokens):
             request.num_computed_tokens += n
+        spec = sched.spec_tokens
         outputs = []
         now = time.monotonic()
-        for i, request in enumerate(sampling):
+        row = 0  # the request's first sampler row
+        for request in sampling:
+            drafts = spec.get(request.request_id, ()) if spec else ()
+            rows = range(row, row + 1 + len(drafts))
+            row = rows.stop
             if request.max_tokens == 0:
                 self._finish(request, RequestStatus.FINISHED_LENGTH, stats)
                 outputs.append(self._make_output(request))
                 continue
-            token = sampled.token_ids[i]
-            request.output_token_ids.append(token)
+            tokens = sampled.token_ids[rows.start:rows.stop]
+            if drafts:
+                # Keep the drafts the model agrees with, then its own token at the first
+                # disagreement (or the bonus token); the rejected drafts' KV is not computed.
+                accepted = num_accepted(list(drafts), tokens)
+                tokens = tokens[: accepted + 1]
+                request.num_computed_tokens -= len(drafts) - accepted
+                if stats is not None:
+                    stats.spec_num_drafts += 1
+                    stats.spec_num_draft_tokens += len(drafts)
+                    stats.spec_num_accepted_tokens += accepted
+                    stats.spec_accepted_per_position.extend(range(accepted))
             if stats is not None:
-                stats.num_generation_tokens += 1
                 if request.first_token_time is None:
                     stats.num_prompt_tokens += request.num_prompt_tokens
                     stats.time_to_first_token_s.append(now - request.arrival_time)
                 elif request.last_token_time is not None:
-                    stats.inter_token_latency_s.append(now - request.last_token_time)
+                    # Tokens that arrive together share the wait: one gap each, evenly split.
+                    gap = (now - request.last_token_time) / len(tokens)
+                    stats.inter_token_latency_s.extend([gap] * len(tokens))
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            if sampled.logprobs[i] is not None:
-                request.logprobs.append(self._decode_logprobs(sampled.logprobs[i]))
-            if request.grammar is not None and not request.grammar.matcher.accept_token(token):
-                request.grammar.num_rejected += 1  # the matcher now reports terminated: the request stops
-                logger.warning("request %s: sampled token %d is outside its grammar", request.request_id, token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self._finish(request, status, stats)
+            for token, i in zip(tokens, rows):
+                request.output_token_ids.append(token)
+                if stats is not None:
+                    stats.num_generation_tokens += 1
+                if sampled.logprobs[i] is not None:
+                    request.logprobs.append(self._decode_logprobs(sampled.logprobs[i]))
+                if request.grammar is not None and not request.grammar.matcher.accept_token(token):
+                    request.grammar.num_rejected += 1  # the matcher now reports terminated: the request stops
+                    logger.warning("request %s: sampled token %d is outside its grammar", request.request_id, token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status, stats)
+                    break  # tokens after a stop are never emitted
+            if drafts and not request.is_finished:
+                self.block_manager.truncate(request.request_id, request.num_computed_tokens + 1)
             outputs.append(self._make_output(request))
         return outputs
 
-    def _record_prompt_logprobs(self, logits: torch.Tensor) -> None:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        for row, (request, target) in zip(logprobs, self.runner.prompt_rows):
-            k = request.sampling_params.prompt_logprobs
-            token = request.prompt_token_ids[target]
-            request.prompt_logprobs.append(self._decode_logprobs(token_logprobs(row, token, k)))
+    def _record_prompt_logprobs(self) -> None:
+        """The step's prompt logprobs (reduced on the device by the forward pass), in one transfer."""
+        for lp, (request, _) in zip(self.runner.prompt_logprobs.to_host(), self.runner.prompt_rows):
+            request.prompt_logprobs.append(self._decode_logprobs(lp))
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         p = request.sampling_params
@@ -439,6 +485,10 @@ class EngineCore:
                     num_generation_tokens=request.num_output_tokens,
                     e2e_latency_s=now - request.arrival_time,
                     queue_time_s=queued,
+                    tenant=request.tenant,
+                    time_to_first_token_s=(
+                        None if request.first_token_time is None else request.first_token_time - request.arrival_time
+                    ),
                 )
             )
 
@@ -470,6 +520,28 @@ class EngineCore:
             prompt_logprobs=request.prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+
+def _sampler_rows(sampling: list[Request], spec_tokens: dict[str, list[int]]) -> list:
+    """The sampler's rows: a request without drafts is one row; one verifying k drafts is
+    1 + k rows, row j seeing the first j drafts as output (engine/spec_decode.py)."""
+    rows: list = []
+    for request in sampling:
+        drafts = spec_tokens.get(request.request_id)
+        if drafts:
+            rows.append(request)
+            rows.extend(DraftRow(request, drafts[:j]) for j in range(1, len(drafts) + 1))
+        else:
+            rows.append(request)
+    return rows
+
+
+def _describe_speculation(spec) -> str:
+    if spec is None:
+        return "off"
+    cutoff = "" if spec.disable_by_batch_size is None else f", off at >= {spec.disable_by_batch_size} running"
+    return (f"ngram, k={spec.num_speculative_tokens}, "
+            f"n-gram {spec.prompt_lookup_min}..{spec.prompt_lookup_max}{cutoff}")
 
 
 def _eos_token_ids(model_path, tokenizer) -> list[int]:

@@ -46,6 +46,7 @@ def load_model(
     max_positions: int,
     quantization: str | None = None,
     load_format: str = "auto",
+    lm_head_quantization: str = "auto",
 ) -> LlamaForCausalLM:
     from engine.gguf import gguf_source
 
@@ -53,7 +54,8 @@ def load_model(
         from engine.gguf.loader import load_gguf_model
 
         return load_gguf_model(
-            load_hf_config(path), gguf, dtype, device, max_positions, quantization, load_format, copy_weight
+            load_hf_config(path), gguf, dtype, device, max_positions, quantization, load_format, copy_weight,
+            lm_head_quantization,
         )
     args = ModelArgs.from_hf_config(load_hf_config(path))
     files = [] if load_format == "dummy" else sorted(path.glob("*.safetensors"))
@@ -111,7 +113,7 @@ def load_model(
     if quantization is not None:
         from engine.quantization.rtn import convert_model
 
-        convert_model(model, quantization)
+        convert_model(model, quantization, lm_head_quantization)
     return model.eval().requires_grad_(False)
 
 

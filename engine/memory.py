@@ -5,7 +5,9 @@ Before the model is loaded a snapshot records the free memory; what torch holds 
 loading is the weights (load-time temporaries, e.g. quantization's, are gone by then).
 Then one forward pass at the largest step the scheduler can make (`max_num_batched_tokens`
 tokens over up to `max_num_seqs` sequences, with their logits and a softmax like the
-sampler's) sets torch's peak allocation. The KV cache gets what is left:
+sampler's, and every other position a prompt-logprob row: the LM head and the float32
+log-softmax of one full chunk of `engine.prompt_logprobs.LOGITS_CHUNK_ROWS` rows, reduced
+to the top 20) sets torch's peak allocation. The KV cache gets what is left:
 
     budget = utilization x total - weights - peak activations of the profile step
              - memory taken outside torch since the snapshot
@@ -26,6 +28,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.kv_cache import GiB, KVCacheSpec, allocate_kv_cache
 from engine.models.llama import LlamaForCausalLM
+from engine.prompt_logprobs import PROFILE_TOP_K, PromptLogprobRows, chunked_logits
 from kernels.ops import KernelOps
 
 
@@ -98,8 +101,10 @@ def profile_run(
     max_num_batched_tokens: int,
     max_num_seqs: int,
 ) -> int:
-    """One forward pass (plus logits and a softmax) at the largest step; returns the bytes
-    of the scratch KV cache it used. Runs on any device; on CUDA it sets the peak."""
+    """One forward pass at the largest step: the sampling rows' logits and a softmax, and
+    every other position as a prompt-logprob row (the worst case: every request asks for
+    them), through the same chunked LM head as a real step. Returns the bytes of the
+    scratch KV cache it used. Runs on any device; on CUDA it sets the peak."""
     lengths = profile_batch_lengths(max_num_batched_tokens, max_num_seqs)
     bs = spec.block_size
     blocks_per_seq = [-(-n // bs) for n in lengths]
@@ -113,17 +118,23 @@ def profile_run(
         slots.extend(range(first_block * bs, first_block * bs + n))
         first_block += nb
     ends = torch.tensor(lengths).cumsum(0)
+    sampled = torch.zeros(max_num_batched_tokens, dtype=torch.bool)
+    sampled[ends - 1] = True
+    prompt_rows = (~sampled).nonzero().flatten()  # every position that does not sample
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_tables=tables.to(device),
         seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
         query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), ends.int()]).to(device),
-        logits_indices=(ends - 1).to(device),
+        logits_indices=torch.cat([ends - 1, prompt_rows]).to(device),
     )
     input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, device=device)
+    prompt = PromptLogprobRows(torch.zeros(len(prompt_rows), dtype=torch.int64, device=device),
+                               [min(PROFILE_TOP_K, model.args.vocab_size)] * len(prompt_rows))
     with torch.inference_mode():
         hidden = model(input_ids, torch.tensor(positions, dtype=torch.int64, device=device), kv_caches, meta, ops)
-        torch.softmax(model.compute_logits(hidden).float(), dim=-1)
+        logits = chunked_logits(model.compute_logits, hidden, prompt if len(prompt_rows) else None)
+        torch.softmax(logits.float(), dim=-1)
     return sum(k.nbytes + v.nbytes for k, v in kv_caches)
 
 

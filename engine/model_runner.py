@@ -10,6 +10,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
+from engine.prompt_logprobs import PromptLogprobRows
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
@@ -17,9 +18,11 @@ if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphRunner
     from engine.worker import Worker
 
-ForwardStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, "torch.Tensor | None"], torch.Tensor]
-"""(input_ids, positions, metadata, blocks_to_copy) -> logits: `Worker.forward`, or under
-tensor parallelism the executor's step, which hands the step to every rank first."""
+ForwardStep = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata, "torch.Tensor | None", "PromptLogprobRows | None"], torch.Tensor
+]
+"""(input_ids, positions, metadata, blocks_to_copy, prompt_logprobs) -> logits: `Worker.forward`,
+or under tensor parallelism the executor's step, which hands the step to every rank first."""
 
 
 class ModelRunner:
@@ -35,6 +38,8 @@ class ModelRunner:
         self.device = worker.device
         self.block_size = block_manager.block_size
         self.prompt_rows: list[tuple[Request, int]] = []  # of the last prepared step
+        # Those rows' logprobs, reduced on the device by the forward pass (engine/prompt_logprobs.py).
+        self.prompt_logprobs: PromptLogprobRows | None = None
         self.forward_step: ForwardStep = forward_step or worker.forward
         # Pure decode steps replayed from CUDA graphs (on CUDA); None = every step eager.
         self.decode_graphs = decode_graphs
@@ -54,10 +59,16 @@ class ModelRunner:
         # Prompt-logprob rows go after the sampling rows: (request, flat row, target position).
         prompt_rows: list[tuple[Request, int, int]] = []
         tables: list[list[int]] = []
+        spec_tokens = sched.spec_tokens
         for request, n in zip(sched.scheduled, sched.num_scheduled_tokens):
             start = request.num_computed_tokens
             end = start + n
-            if n == 1 and end == request.num_tokens:
+            drafts = spec_tokens.get(request.request_id) if spec_tokens else None
+            if drafts:
+                # Verification: the last real token, then the drafts, with logits at each.
+                input_ids.append(request.token_id_at(start))
+                input_ids.extend(drafts)
+            elif n == 1 and end == request.num_tokens:
                 # A decode: the newest token is the last output token.
                 input_ids.append(request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1])
             else:
@@ -68,7 +79,9 @@ class ModelRunner:
             tables.append(table)
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + n)
-            if end == request.num_tokens:
+            if drafts:
+                logits_indices.extend(range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1]))
+            elif end == request.num_tokens:
                 logits_indices.append(query_start_loc[-1] - 1)
             if request.prompt_logprobs is not None:
                 # Position p predicts token p + 1; recomputed positions (after preemption) are skipped.
@@ -89,6 +102,10 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices + [row for _, row, _ in prompt_rows], dtype=torch.int64, device=dev),
         )
         self.prompt_rows = [(request, target) for request, _, target in prompt_rows]
+        self.prompt_logprobs = PromptLogprobRows.of(
+            [r.prompt_token_ids[t] for r, t in self.prompt_rows],
+            [r.sampling_params.prompt_logprobs for r, _ in self.prompt_rows], dev,
+        ) if self.prompt_rows else None
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -96,13 +113,14 @@ class ModelRunner:
         )
 
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Run the step; returns logits [num_sampling_requests, vocab] in `scheduled` order,
-        followed by one row per entry of `self.prompt_rows` (prompt logprobs)."""
+        """Run the step; returns logits [num_sampling_rows, vocab] in `scheduled` order (one
+        row per sampling request, 1 + k for a request verifying k drafts). The logprobs of
+        `self.prompt_rows` are in `self.prompt_logprobs.result`, on the device."""
         copies = None
         if sched.blocks_to_copy:
             copies = torch.tensor(sched.blocks_to_copy, dtype=torch.int64, device=self.device)
         if self.decode_graphs is not None and self.decode_graphs.can_run(sched):
-            self.prompt_rows = []  # a decode computes no prompt position
+            self.prompt_rows, self.prompt_logprobs = [], None  # a decode computes no prompt position
             return self.decode_graphs.execute(sched, copies)
         input_ids, positions, meta = self.prepare(sched)
-        return self.forward_step(input_ids, positions, meta, copies)
+        return self.forward_step(input_ids, positions, meta, copies, self.prompt_logprobs)

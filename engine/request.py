@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,7 +58,6 @@ class Request:
     logprobs: "SampleLogprobs | None" = None
     prompt_logprobs: list | None = None
     """One entry per prompt token (None for the first); filled chunk by chunk during prefill."""
-    generator: torch.Generator | None = None
     detokenizer: "IncrementalDetokenizer | None" = None
     cache_salt: str | None = None
     """Extra prefix-cache key: requests with different salts never share cached blocks."""
@@ -75,11 +72,13 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    tenant: str | None = None
+    """Who the request is for (the server's API-key name); the waiting queue is fair between
+    tenants (engine/fair_queue.py). None: untagged (the Python API, a server without keys)."""
+    priority: int = 0
+    """Lower is scheduled first (vLLM's convention); strict between priorities."""
 
     def __post_init__(self) -> None:
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(self.sampling_params.seed)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
         if self.sampling_params.prompt_logprobs is not None:

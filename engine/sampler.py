@@ -4,9 +4,11 @@ Order of processing (as vLLM): logprobs of the raw model distribution are taken 
 then penalties, logit bias and the min_tokens mask; then the grammar's token bitmask
 (structured outputs); then greedy rows take the argmax and random rows are tempered,
 filtered (top-k, top-p, min-p) and sampled, so both obey the grammar. Sampling uses the
-exponential-race trick (argmax of p / q with q ~ Exp(1)) so a seeded request draws its
-noise from its own generator, one row at a time: same seed, same tokens, whatever else
-is in the batch (and on whatever device: seeded noise is drawn on the CPU).
+exponential-race trick (argmax of p / q with q ~ Exp(1)). A seeded request's noise is a
+function of (seed, output position, token id) alone - a counter-based integer hash
+computed on the logits' device for all seeded rows at once (`seeded_exponential`) - so
+the same seed gives the same tokens whatever else is in the batch, with no per-row draw
+on the CPU and no copy to the device (and the same integers on CPU and CUDA).
 
 Everything stays on the logits' device until one transfer of the results at the end of
 the step: per-request values (temperatures, top-k, penalty ids) go to the device as small
@@ -15,6 +17,7 @@ tensors, never the other way, so on a GPU the host waits for the step once.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -145,21 +148,26 @@ class Sampler:
 
     def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Exp(1) noise, a row per request: unseeded rows in one draw from this device's
-        sampler generator, seeded rows from their own (CPU) generator, row by row."""
+        sampler generator, seeded rows from `seeded_exponential` of (seed, the output
+        position being sampled), all on the device."""
         device, vocab = probs.device, probs.shape[-1]
-        unseeded = [j for j, r in enumerate(requests) if r.generator is None]
+        unseeded = [j for j, r in enumerate(requests) if r.sampling_params.seed is None]
+        seeded = [j for j, r in enumerate(requests) if r.sampling_params.seed is not None]
         q = torch.empty_like(probs)
         if unseeded:
             noise = torch.empty((len(unseeded), vocab), dtype=probs.dtype, device=device)
             noise.exponential_(generator=self._generator(device))
-            if len(unseeded) == len(requests):
-                q = noise
-            else:
-                q[_on(device, unseeded)] = noise
-        for j, request in enumerate(requests):
-            if request.generator is not None:
-                row = torch.empty(vocab, dtype=probs.dtype).exponential_(generator=request.generator)
-                q[j].copy_(row, non_blocking=True)
+            if not seeded:
+                return noise
+            q[_on(device, unseeded)] = noise
+        if seeded:
+            noise = seeded_exponential(
+                [requests[j].sampling_params.seed for j in seeded],
+                [requests[j].num_output_tokens for j in seeded], vocab, device, probs.dtype,
+            )
+            if not unseeded:
+                return noise
+            q[_on(device, seeded)] = noise
         return q
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -168,6 +176,50 @@ class Sampler:
         if device not in self._device_generators:
             self._device_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._device_generators[device]
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for int64 x in [0, 2^32), without int64 overflow: c in 16-bit halves."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (Wellons' lowbias32) of int64 values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _row_keys(seed: int, position: int) -> tuple[int, int]:
+    """Two 32-bit keys of (seed, position), mixed on the host (blake2b: any seed, no
+    correlation between neighbouring seeds or positions)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+
+def seeded_exponential(
+    seeds: list[int], positions: list[int], vocab: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] where row j depends on (seeds[j], positions[j]) and the
+    token id only: counter-based, so a seeded request's draw for an output position is the
+    same whatever rows sit beside it, in whatever order, and however often it is drawn.
+
+    Per row two 32-bit keys (`_row_keys`, host: 2 x 8 bytes go to the device); per token,
+    on the device, u = (top 24 bits of mix(mix(token ^ k0) ^ k1) + 0.5) / 2^24, strictly
+    inside (0, 1), and q = -log(u). Integer ops only up to the one float conversion, exact
+    in float32; so CPU and CUDA compute the same u (and q up to log's last bit)."""
+    keys = torch.tensor([_row_keys(s, p) for s, p in zip(seeds, positions)], dtype=torch.int64)
+    keys = keys.to(device, non_blocking=True)
+    tokens = torch.arange(vocab, dtype=torch.int64, device=device)
+    h = _mix32(_mix32(tokens[None, :] ^ keys[:, :1]) ^ keys[:, 1:])
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return torch.log(u).neg_().to(dtype)
 
 
 def _on(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -205,11 +257,6 @@ class _DeviceLogprobs:
                 lp.ranks += list(range(1, k + 1))
             out.append(lp)
         return out
-
-
-def token_logprobs(row: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
-    """The logprob and rank of `token_id` in `row` (log-softmaxed), then its top k."""
-    return _DeviceLogprobs.of(row[None], _on(row.device, [token_id]), [k]).to_host()[0]
 
 
 def _needs_processing(request: Request) -> bool:

@@ -13,6 +13,10 @@ class FinishedRequestStats:
     e2e_latency_s: float
     queue_time_s: float | None
     """Arrival to first scheduled; None if it never ran (aborted while waiting)."""
+    tenant: str | None = None
+    """The request's tenant (API-key name), for the per-tenant series; None: untagged."""
+    time_to_first_token_s: float | None = None
+    """Arrival to first token; None if it produced none."""
 
 
 @dataclass(slots=True)
@@ -32,6 +36,14 @@ class StepStats:
     """Prompt tokens looked up in the prefix cache this step."""
     prefix_cache_hits: int = 0
     """Of those, tokens found cached."""
+    spec_num_drafts: int = 0
+    """Speculative decoding: requests that verified drafts this step."""
+    spec_num_draft_tokens: int = 0
+    """Draft tokens verified this step."""
+    spec_num_accepted_tokens: int = 0
+    """Of those, the ones the model accepted."""
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    """One entry per accepted draft: its position (0 = the first draft)."""
     time_to_first_token_s: list[float] = field(default_factory=list)
     inter_token_latency_s: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)

@@ -21,6 +21,8 @@ from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_byte
 from engine.loader import load_hf_config, load_model
 from engine.memory import profile_kv_cache_budget, take_snapshot
 from engine.models.llama import Linear, LlamaForCausalLM, ModelArgs, prepack_linears
+from engine.prompt_logprobs import PromptLogprobRows, chunked_logits
+from kernels.linear import GEMV_MAX_ROWS, gemv_unavailable_reason
 from kernels.ops import KernelOps, get_ops
 
 if TYPE_CHECKING:
@@ -80,7 +82,8 @@ class Worker:
         mc = self.config.model
         if self.placement is None:
             model = load_model(
-                self.model_path, self.dtype, self.device, self.max_model_len, mc.quantization, mc.load_format
+                self.model_path, self.dtype, self.device, self.max_model_len, mc.quantization, mc.load_format,
+                mc.lm_head_quantization,
             )
             return model, None
         from engine.distributed.sharding import ShardLayout, shard_model
@@ -89,7 +92,7 @@ class Worker:
         layout = ShardLayout.for_rank(self.args, groups.rank, groups.world_size, mc.quantization)
         # Loaded whole on the host, then sharded: every rank quantizes as the whole model would.
         whole = load_model(self.model_path, self.dtype, torch.device("cpu"), self.max_model_len, load_format=mc.load_format)
-        return shard_model(whole, layout, mc.quantization, self.device, groups.model), layout
+        return shard_model(whole, layout, mc.quantization, self.device, groups.model, mc.lm_head_quantization), layout
 
     def _num_kv_blocks(self, snapshot, log: bool) -> int:
         """Blocks from the override, the profiled GPU budget, or --kv-cache-memory; under
@@ -133,13 +136,16 @@ class Worker:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         blocks_to_copy: torch.Tensor | None,  # [num_copies, 2] (src, dst), copied first (copy-on-write)
+        prompt_logprobs: "PromptLogprobRows | None" = None,
     ) -> torch.Tensor:
         """One prepared step's forward: logits of `meta.logits_indices` (every rank runs it;
-        under tensor parallelism its collectives meet the other ranks')."""
+        under tensor parallelism its collectives meet the other ranks'). The last rows of
+        `logits_indices` may be `prompt_logprobs`' (rank 0): those are reduced chunk by
+        chunk into `prompt_logprobs.result` and not returned (engine/prompt_logprobs.py)."""
         if blocks_to_copy is not None:
             self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], blocks_to_copy)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.ops)
-        return self.model.compute_logits(hidden)
+        return chunked_logits(self.model.compute_logits, hidden, prompt_logprobs)
 
     def facts(self) -> dict[str, str]:
         """What was actually loaded and how it runs: the start-up log and the info metric."""
@@ -151,6 +157,7 @@ class Worker:
             "dtype": self._dtype_fact(),
             "device": str(self.device),
             "quantization": self.quantization(),
+            "lm_head": self._lm_head_fact(),
             "kernel_backend": self.ops.backend,
             "kv_cache": (
                 f"{spec.bytes_per_token} bytes/token (2 x {spec.num_layers} layers x {spec.num_kv_heads} KV heads x "
@@ -163,6 +170,11 @@ class Worker:
         if self.device.type == "cpu" and num_float:
             shared = (f"; each weight held once, but the LM head tied to the embeddings (packed, and the dense "
                       f"table for the lookup)") if self.num_shared_linears else "; each weight held once"
+            gemv = self._num_gemv_linears()
+            if gemv:  # both copies: the dense one for the decode GEMV (kernels/linear.py)
+                tied = ", a tied LM head's being the embedding table" if self.num_shared_linears else ""
+                shared = (f"; {gemv} bf16 linears also keep their dense weight for the AVX512-BF16 GEMV of calls "
+                          f"up to {GEMV_MAX_ROWS} rows{tied} (PAGODA_CPU_GEMV=0: one copy)")
             facts["linears"] = f"oneDNN-packed {self.num_packed_linears} of {num_float} float linears{shared}"
         return facts
 
@@ -179,8 +191,24 @@ class Worker:
         linear_weights = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
         return max(1, (2 * linear_weights) // (4 * q * CPU_ATTENTION_SLOWDOWN))
 
+    def _num_gemv_linears(self) -> int:
+        return sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.gemv_max_rows)
+
     def _num_float_linears(self) -> int:
         return sum(1 for m in self.model.modules() if isinstance(m, Linear) and (m.weight is not None or m.packed is not None))
+
+    def _lm_head_fact(self) -> str:
+        """How the LM head is held: INT8 (under --quantization, --lm-head-quantization) or
+        the compute dtype."""
+        from engine.quantization.linears import Int8Linear
+
+        head = self.model.lm_head
+        head = getattr(head, "local", head)  # this rank's shard under tensor parallelism
+        if isinstance(head, Int8Linear):
+            return "int8 weight-only, per output channel (W8A16)"
+        if isinstance(head, Linear):
+            return str(self.dtype).removeprefix("torch.")
+        return type(head).__name__
 
     def _dtype_fact(self) -> str:
         name = str(self.dtype).removeprefix("torch.")
@@ -199,10 +227,20 @@ class Worker:
                     f"{num_float - self.num_packed_linears} float linear(s) could not be oneDNN-packed and run "
                     "on torch's default GEMM"
                 )
+            if self.dtype == torch.bfloat16 and self.num_packed_linears and not self._num_gemv_linears():
+                out.append(
+                    f"the bf16 decode GEMV is off ({gemv_unavailable_reason()}): few-row bf16 linears run on "
+                    "oneDNN's packed GEMV (about half the weight-stream rate)"
+                )
         if self.device.type == "cpu" and self.ops.backend == "torch" and self.config.kernel.kernel_backend == "auto":
             from kernels.cpu_kernels import unavailable_reason
 
             out.append(f"{unavailable_reason()}: attention and the element-wise ops run on the torch reference")
+        out += quantized_linear_fallbacks(self.model, self.device)
+        if self.device.type == "cuda" and self.ops.backend == "triton":
+            reason = attention_fallback(self.args)
+            if reason is not None:
+                out.append(reason)
         if self.device.type == "cuda" and self.ops.backend != "triton":
             out.append(f"attention runs on the {self.ops.backend} reference ops on CUDA, not the Triton kernels")
         return out
@@ -225,6 +263,47 @@ class Worker:
             return "none"
         group = "per output channel" if spec.group_size is None else f"groups of {spec.group_size}"
         return f"{spec.layout} checkpoint, {spec.bits}-bit, {group}{', symmetric' if spec.sym else ''}"
+
+
+def attention_fallback(args: ModelArgs) -> str | None:
+    """Why the Triton attention kernels cannot take this model's shape (kernels/ops.py then
+    routes every call to the torch reference), or None."""
+    from kernels.triton_attention import MAX_GQA_RATIO, SUPPORTED_HEAD_DIMS
+
+    ratio = args.num_attention_heads // args.num_key_value_heads
+    if args.head_dim in SUPPORTED_HEAD_DIMS and ratio <= MAX_GQA_RATIO:
+        return None
+    dims = "/".join(str(d) for d in SUPPORTED_HEAD_DIMS)
+    return (
+        f"attention runs on the torch reference, not the Triton kernels, for head_dim {args.head_dim} / GQA ratio "
+        f"{ratio} (the kernels take head_dim {dims} and GQA ratios up to {MAX_GQA_RATIO}); CUDA graphs are off with it"
+    )
+
+
+def quantized_linear_fallbacks(model: torch.nn.Module, device: torch.device) -> list[str]:
+    """The quantized linears that run a dequantizing or float64 reference instead of a fast
+    kernel (kernels/quant_linear.py). On CUDA none: every kind runs its Triton kernel, and
+    an INT4 group size the kernel cannot take is refused at load."""
+    if device.type != "cpu":
+        return []
+    from engine.quantization.linears import Int4Linear, Int8Linear, W8A8Linear
+    from kernels.quant_linear import cpu_int8_mm_available, cpu_int_mm_available
+
+    modules = list(model.modules())
+    int8 = sum(isinstance(m, Int8Linear) for m in modules)
+    int4 = sum(isinstance(m, Int4Linear) and not m.cpu_packed for m in modules)
+    w8a8 = sum(isinstance(m, W8A8Linear) for m in modules)
+    out = []
+    if int8 and not cpu_int8_mm_available():
+        out.append(f"{int8} INT8 linear(s) dequantize their weight every call: torch's int8 CPU kernel failed its probe")
+    if int4:
+        out.append(
+            f"{int4} INT4 linear(s) dequantize their weight every call: torch's int4 CPU kernel failed its probe "
+            "or does not take their group size (32, 64, 128, 256)"
+        )
+    if w8a8 and not cpu_int_mm_available():
+        out.append(f"{w8a8} W8A8 linear(s) run the float64 reference: torch._int_mm failed its probe")
+    return out
 
 
 def _architecture(model_path: Path) -> str:

@@ -9,6 +9,10 @@ builds it ahead of time (`python -m kernels.cpu_kernels`); a later start loads i
 under a second. Where it cannot be built (no compiler, another OS), `load()` returns None
 with the reason, and the engine runs the torch reference ops and logs that it does.
 
+The bf16 small-batch GEMV (`bf16_linear`, AVX512-BF16 CPUs only: `bf16_gemv_available`)
+is routed by kernels/linear.py and engine/models/llama.py's `Linear`, not by KernelOps:
+decode-sized calls of bf16 linears, whatever the kernel backend, like the oneDNN path.
+
 Attention routing (`paged_attention`):
 - decodes and short chunks (up to `SHORT_CHUNK` new tokens), and every chunk of a
   sliding-window layer: the C++ kernel, reading K/V where the block tables say they lie;
@@ -116,6 +120,28 @@ def _put_ninja_on_path() -> None:
 def unavailable_reason() -> str | None:
     load()
     return _state.get("reason")  # type: ignore[return-value]
+
+
+def bf16_gemv_available() -> bool:
+    """Whether `bf16_linear` runs here: the extension built with AVX512-BF16 (compile-time:
+    -march=native on such a CPU) and the CPU reporting it (runtime)."""
+    module = load()
+    return module is not None and bool(module.has_bf16_gemv()) and "avx512_bf16" in _cpu_flags().split()
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for bfloat16 CPU tensors through the small-batch GEMV
+    (csrc/cpu_kernels.cpp `bf16_gemv`): the dense weight [N, K] streamed once at close to
+    copy bandwidth, products exact and summed in float32, each output rounded to bf16
+    once. For few rows (decode batches): it does M vector products per weight load, so
+    from a few rows on oneDNN's blocked GEMM is faster (kernels/linear.py routes by row
+    count, `GEMV_MAX_ROWS`). Only where `bf16_gemv_available()`."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+    load().bf16_gemv(out, rows, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:

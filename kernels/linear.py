@@ -7,12 +7,23 @@ thread, once the weight is reordered into its blocked layout. `pack_weight` make
 copy once, at engine start; `linear` uses it when given. `python -m loadtest.bench_linear`
 measures both paths per call on the default model's shapes (figures: docs/BENCHMARKS.md).
 
+bf16 on a CPU with AVX512-BF16: up to `GEMV_MAX_ROWS` rows (decode batches of 1-3
+sequences; a ~5-row speculative verification chunk stays on oneDNN) a linear runs the
+C++ GEMV on the dense weight instead (`cpu_kernels.bf16_linear`: it streams the weight
+at close to copy bandwidth, 1.5-2x oneDNN's 1-row bf16 GEMV rate here), so such a layer
+holds both the dense and the packed weight (`engine/models/llama.py` `prepack_linears`;
+`PAGODA_CPU_GEMV=0` keeps one copy, oneDNN only). Where the CPU lacks AVX512-BF16 the
+packed path runs at every row count (the engine logs it).
+
 Without a packed weight (CUDA, other dtypes, a torch without oneDNN), decode on CPU
 falls back to the sliced batched GEMV below: `bmm` over P row-slices of the weight
 spreads the weight stream over P threads, where F.linear reads it on one.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +33,40 @@ SMALL_BATCH_ROWS = 32
 # The batch size oneDNN's weight layout is chosen for: one layout for decode and prefill
 # alike, close to the best at every row count we serve (docs/BENCHMARKS.md).
 PACK_BATCH_HINT = 64
+# Up to this many rows a bf16 linear runs the C++ AVX512-BF16 GEMV on the dense weight,
+# above it oneDNN's packed GEMM. Measured per call (`python -m loadtest.bench_linear`,
+# docs/BENCHMARKS.md), one thread: 1.5-2x oneDNN at 1-2 rows, 1.1-1.5x at 3, level at 4
+# (oneDNN's few-row kernel streams well from 3-4 rows on; its 1-row one does not),
+# behind from 5; two threads: 1.1-1.5x at 1 row, 0.9-1.2x at 3, behind from 4.
+GEMV_MAX_ROWS = 3
+
+
+def gemv_enabled() -> bool:
+    """Whether bf16 linears may take the C++ GEMV for few rows: the CPU and the build have
+    AVX512-BF16 (`cpu_kernels.bf16_gemv_available`) and `PAGODA_CPU_GEMV` is not "0" (which
+    keeps each weight once, in oneDNN's layout only, at the GEMV's speed cost)."""
+    if os.environ.get("PAGODA_CPU_GEMV", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    from kernels import cpu_kernels
+
+    return cpu_kernels.bf16_gemv_available()
+
+
+def gemv_unavailable_reason() -> str:
+    """Why `gemv_enabled()` is False, for the engine's fallback log line."""
+    if os.environ.get("PAGODA_CPU_GEMV", "1") == "0":
+        return "PAGODA_CPU_GEMV=0"
+    from kernels import cpu_kernels
+
+    if not sys.platform.startswith("linux") or cpu_kernels.load() is None:
+        return cpu_kernels.unavailable_reason() or "the CPU kernels are built for Linux only"
+    return "this CPU has no AVX512-BF16"
+
+
+def gemv_takes(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `cpu_kernels.bf16_linear` takes this weight and bias: dense bf16 on CPU."""
+    ok = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.is_contiguous()
+    return ok and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:

@@ -19,8 +19,10 @@ prefill sizes (int8 dot products). At M = 1 the per-token activation quantizatio
 small torch ops) makes it slower than the weight-only path, which stays the CPU decode
 choice (`--quantization int8`). `_int_mm` is exact in the integer part, so it is probed
 for equality (`cpu_int_mm_available`); a failure selects the float64 reference. On CUDA,
-W4A16 and W8A8 run the Triton kernels (`kernels/triton_w4a16.py`, `kernels/triton_w8a8.py`)
-regardless of `--kernel-backend`.
+W8A16, W4A16 and W8A8 run the Triton kernels (`kernels/triton_w8a16.py`,
+`kernels/triton_w4a16.py`, `kernels/triton_w8a8.py`) regardless of `--kernel-backend`;
+W4A16 group sizes the kernel does not take are refused when the model is loaded
+(`engine.quantization.linears.int4_linear`), not served by the slow reference.
 
 Per-call timings of every path, with the commands that produce them: docs/BENCHMARKS.md,
 "CPU GEMM paths, per call".
@@ -40,6 +42,12 @@ from kernels.quant_reference import (
     w8a8_linear_ref,
     w8a16_linear_ref,
 )
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the quantized GEMMs on `device` run the Triton kernels: on CUDA, always. (A
+    function so that a CPU test under the Triton interpreter can route the CUDA way.)"""
+    return device.type == "cuda"
 
 
 @functools.cache
@@ -125,15 +133,21 @@ def w4a16_linear_cpu(
 
 
 def w8a16_linear(x, qweight, scales, bias=None):  # noqa: ANN001 - same signature as the reference
-    """CPU int8 kernel when it works here (scales must then be bf16), else the reference."""
+    """The Triton kernel on CUDA (reads the int8 weight once, no dequantized copy); on CPU
+    torch's int8 kernel when it works here (scales must then be bf16); else the reference."""
+    if use_triton(x.device):
+        from kernels import triton_w8a16
+
+        return triton_w8a16.w8a16_linear(x, qweight, scales, bias)
     if x.device.type == "cpu" and cpu_int8_mm_available():
         return w8a16_linear_cpu(x, qweight, scales.to(torch.bfloat16), bias)
     return w8a16_linear_ref(x, qweight, scales, bias)
 
 
 def w4a16_linear(x, qweight, scales, zeros, group_size, bias=None):  # noqa: ANN001 - the reference's signature
-    """AutoGPTQ-layout W4A16: the Triton kernel on CUDA (group sizes 32/64/128), else the reference."""
-    if x.device.type == "cuda" and group_size in (32, 64, 128):
+    """AutoGPTQ-layout W4A16: the Triton kernel on CUDA (every group size that is a multiple
+    of 8; `int4_linear` refuses others at load), else the reference."""
+    if use_triton(x.device):
         from kernels import triton_w4a16
 
         return triton_w4a16.w4a16_linear(x, qweight, scales, zeros, group_size, bias)
@@ -151,7 +165,7 @@ def w8a8_linear(
     CUDA: the two Triton kernels. CPU: torch's `_int_mm` when the probe passes, else the
     float64 reference; both exact in the integer part.
     """
-    if x.device.type == "cuda":
+    if use_triton(x.device):
         from kernels import triton_w8a8
 
         qx, x_scale = triton_w8a8.quantize_per_token(x)
@@ -169,6 +183,7 @@ __all__ = [
     "cpu_int_mm_available",
     "dequantize_w4_ref",
     "pack_int4_cpu",
+    "use_triton",
     "w4a16_linear",
     "w4a16_linear_cpu",
     "w4a16_linear_ref",

@@ -19,9 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-
-
 def dequantize_w8_ref(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[N, K] float weight of a W8A16 layer."""
     return qweight.to(dtype) * scales.to(dtype).unsqueeze(1)
@@ -45,7 +42,10 @@ def dequantize_w4_ref(
 ) -> torch.Tensor:
     """[N, K] float weight of a W4A16 layer."""
     k8, n = qweight.shape
-    q = (qweight.unsqueeze(1) >> _SHIFTS.to(qweight.device).view(1, 8, 1)) & 0xF  # [K/8, 8, N]
+    # Made on qweight's device (a fill kernel), not copied from the host: a host -> device
+    # copy is an error inside a CUDA-graph capture.
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    q = (qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF  # [K/8, 8, N]
     q = q.reshape(k8 * 8, n).float()
     z = 8.0 if zeros is None else zeros.float().repeat_interleave(group_size, dim=0)
     w = (q - z) * scales.float().repeat_interleave(group_size, dim=0)  # [K, N]

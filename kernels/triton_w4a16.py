@@ -2,7 +2,8 @@
 
 Same signature and layout as `kernels.quant_reference.w4a16_linear_ref` (AutoGPTQ
 `qweight` [K / 8, N] int32, sequential nibbles along K; per-group scales and optional
-integer zeros [K / G, N]). Each program loads a [BLOCK_K / 8, BLOCK_N] tile of packed
+integer zeros [K / G, N]; any group size that is a multiple of 8 and divides K, so
+AutoGPTQ's group_size -1, one group per row, is G = K, and 256 runs too). Each program loads a [BLOCK_K / 8, BLOCK_N] tile of packed
 int32 once, shifts it out to [BLOCK_K / 8, 8, BLOCK_N] nibbles, applies the scale and
 zero of each packed row (gathered: 8 consecutive k always share a group) and reshapes to
 the [BLOCK_K, BLOCK_N] operand of a 16-bit `tl.dot` (fp32 accumulate).
@@ -59,6 +60,7 @@ def _w4a16_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 activations (exact fp32 products), else "tf32" (unused)
 ):
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -90,7 +92,7 @@ def _w4a16_kernel(
         else:
             w = (q.to(tl.float32) - 8.0) * scale.to(tl.float32)[:, None, :]
         w = tl.reshape(w, (BLOCK_K, BLOCK_N))
-        acc += tl.dot(x.to(x_ptr.dtype.element_ty), w.to(x_ptr.dtype.element_ty))
+        acc += tl.dot(x.to(x_ptr.dtype.element_ty), w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -109,6 +111,18 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def split_k_output(x: torch.Tensor, n: int, config: dict[str, int]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The output buffer and launch grid of a weight-only GEMM with `config`'s tiles: [M, N]
+    in x's dtype without split-K; with it, float32 partial sums [SPLIT_K, M, N] that the
+    caller reduces (and scales, biases and casts) after the kernel."""
+    m, split_k = x.shape[0], config["SPLIT_K"]
+    if split_k == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    return out, (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split_k)
+
+
 def _w4a16_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     """Tiles and split-K for an [M, K] x [K, N] product (the decode / prefill shapes above)."""
     if m <= DECODE_MAX_ROWS:
@@ -125,6 +139,12 @@ def _w4a16_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     return {**config, "SPLIT_K": triton.cdiv(k, k_per_split), "K_PER_SPLIT": k_per_split}
 
 
+def supports_group_size(group_size: int, k: int) -> bool:
+    """Whether the kernel takes groups of `group_size` along K: the 8 nibbles of a packed
+    int32 must share a group (a multiple of 8) and the groups must tile K."""
+    return group_size > 0 and group_size % 8 == 0 and k % group_size == 0
+
+
 def w4a16_linear(
     x: torch.Tensor,  # [M, K]
     qweight: torch.Tensor,  # [K / 8, N] int32
@@ -138,8 +158,11 @@ def w4a16_linear(
         raise ValueError(f"expected x [M, K] and int32 qweight [K/8, N], got {tuple(x.shape)}, {qweight.dtype}")
     m, k = x.shape
     n = qweight.shape[1]
-    if group_size not in (32, 64, 128) or k % group_size or qweight.shape[0] * 8 != k:
-        raise ValueError(f"K={k} must match qweight {tuple(qweight.shape)} and be a multiple of group_size {group_size} (32/64/128)")
+    if not supports_group_size(group_size, k) or qweight.shape[0] * 8 != k:
+        raise ValueError(
+            f"K={k} must match qweight {tuple(qweight.shape)} and be a multiple of group_size {group_size} "
+            "(a positive multiple of 8)"
+        )
     if scales.shape != (k // group_size, n) or (zeros is not None and zeros.shape != scales.shape):
         raise ValueError(f"scales/zeros must be [{k // group_size}, {n}]")
     if bias is not None and bias.shape != (n,):
@@ -151,11 +174,7 @@ def w4a16_linear(
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
     config = _w4a16_config(m, n, k, _num_sms(x.device))
     split_k = config["SPLIT_K"]
-    if split_k == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split_k)
+    out, grid = split_k_output(x, n, config)
     _w4a16_kernel[grid](
         x_ptr=x,
         qweight_ptr=qweight,
@@ -175,6 +194,8 @@ def w4a16_linear(
         GROUP_SIZE=group_size,
         HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None and split_k == 1,
+        # fp32 inputs: exact fp32 products (tl.dot would default to tf32 on the GPU), as the attention kernel.
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **config,
     )
     if split_k == 1:

@@ -18,8 +18,10 @@ dummy`: no checkpoint, no download); prompts are random token ids. Measured in o
 - the batch-64 workload through Hugging Face `generate` (transformers' LlamaForCausalLM of
   the same config, our weights copied in, one static batch, SDPA attention) and the ratio.
 
-Every section fails soft: its error goes into the table and the JSON, the others still
-run; a `--time-budget` skips what would not finish. The JSON is rewritten after every
+Sections run in order of value: bf16 batch-1, batch 64 and its HF comparison, INT4 and
+INT8 batch-1, then prefill and batch 256 (`--quick` leaves those two out). Every section
+fails soft: its error goes into the table and the JSON, the others still run; a
+`--time-budget` skips what would not finish. The JSON is rewritten after every
 section. Needs no server package (fastapi/uvicorn/pydantic). Without CUDA it says so and
 exits 0. Goals (issue 9) are informational: exit 0.
 """
@@ -63,7 +65,10 @@ GOAL_INT4_SPEEDUP = 2.5
 GOAL_VS_HF = 10.0
 GOAL_PREFILL = 0.55
 # Seconds a section needs at least (skipped below that): the estimate on an H200, padded.
-SECTION_SECONDS = {"engine_bf16": 60, "hf": 40, "int8": 45, "int4": 45}
+SECTION_SECONDS = {"engine_bf16": 60, "hf": 40, "int8": 45, "int4": 45, "bf16_prefill": 20, "bf16_batch256": 30}
+# Prefill and batch 256 run before the HF comparison and INT4/INT8 (they need the bf16
+# engine) but only with the time those later, more valued sections need still left over.
+LATER_SECONDS = SECTION_SECONDS["hf"] + SECTION_SECONDS["int4"] + SECTION_SECONDS["int8"]
 
 
 def log(msg: str) -> None:
@@ -312,17 +317,23 @@ class Sections:
             self.json_path.write_text(json.dumps(self.raw, indent=2, default=str))
 
 
-def engine_bf16(model_path: Path, limits: dict, sections: Sections, hf: dict) -> dict:
-    """The bf16 engine's sections. Before the engine goes, its weights are copied into the
-    HF model, which `hf` receives with the batch-64 prompts."""
+def engine_bf16(model_path: Path, limits: dict, sections: Sections, hf: dict, quick: bool = False) -> dict:
+    """The bf16 engine's sections (batch 1 and 64 first; prefill and batch 256 unless
+    `quick`). Before the engine goes, its weights are copied into the HF model, which `hf`
+    receives with the batch-64 prompts."""
     from transformers import LlamaConfig
 
     core = build_engine(model_path, gpu_memory_utilization=BF16_UTILIZATION)
     sections.run("bf16_batch1", lambda: batch1_decode(core, limits["copy_gbps"], seed=1))
-    sections.run("bf16_prefill", lambda: prefill(core, limits["matmul_tflops"]))
     for i, batch in enumerate(BATCHES):
+        if batch != HF_BATCH and quick:
+            continue
+        if batch != HF_BATCH:
+            sections.run("bf16_prefill", lambda: prefill(core, limits["matmul_tflops"]),
+                         SECTION_SECONDS["bf16_prefill"] + LATER_SECONDS)
         prompts = random_prompts(batch, CONTEXT, LLAMA3_8B["vocab_size"], seed=100 + i)
-        sections.run(f"bf16_batch{batch}", lambda: _summary(run_batch(core, prompts, NEW_TOKENS, f"b{batch}")))
+        needs = 0 if batch == HF_BATCH else SECTION_SECONDS.get(f"bf16_batch{batch}", 30) + LATER_SECONDS
+        sections.run(f"bf16_batch{batch}", lambda: _summary(run_batch(core, prompts, NEW_TOKENS, f"b{batch}")), needs)
         if batch == HF_BATCH:
             hf["prompts"] = prompts
 
@@ -434,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the raw numbers here (after every section)")
     parser.add_argument("--time-budget", type=float, default=420.0,
                         help="seconds; sections that would not fit are skipped")
+    parser.add_argument("--quick", action="store_true", help="leave out prefill and batch 256")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_engine_gpu: CUDA is required (a Llama-3-8B-shaped model on the GPU); nothing to do.")
@@ -461,14 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_path = write_dummy_model_folder(Path(tmp) / "llama3-8b-shape", LlamaConfig(**LLAMA3_8B))
         hf: dict = {}
-        sections.run("engine_bf16", lambda: engine_bf16(model_path, limits, sections, hf),
+        sections.run("engine_bf16", lambda: engine_bf16(model_path, limits, sections, hf, args.quick),
                      SECTION_SECONDS["engine_bf16"])
         release_memory()  # the bf16 engine is gone: the HF model runs alone
         if "model" in hf and "prompts" in hf:
             sections.run("hf", lambda: hf_section(hf["model"], hf["prompts"]), SECTION_SECONDS["hf"])
         hf.clear()
         release_memory()
-        for method in ("int8", "int4"):
+        for method in ("int4", "int8"):  # INT4's goal first
             sections.run(f"{method}_batch1", lambda m=method: quantized(model_path, m, limits), SECTION_SECONDS[method])
             release_memory()
     sections.save()

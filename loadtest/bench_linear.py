@@ -1,11 +1,14 @@
 """Per-call speed of the CPU linear paths in kernels/linear.py, on the default model's shapes.
 
-    python -m loadtest.bench_linear            # float32 and bf16, rows 1 / 8 / 32 / 256
+    python -m loadtest.bench_linear            # float32 and bf16, rows 1 / 4 / 8 / 16 / 32 / 256
 
-For each weight shape (SmolLM2-135M's gate_up, down_proj and LM head) it times, in one
-process and alternating: torch's default path (what `linear` ran before the oneDNN change:
-the sliced `bmm` GEMV up to 32 float32 rows, `F.linear` otherwise, i.e. MKL) and the
-oneDNN path with a prepacked weight (`pack_weight` + `linear`). Each timing cycles through
+For each weight shape (SmolLM2-135M's fused qkv, gate_up, down_proj and LM head) it
+times, in one process and alternating: torch's default path (what `linear` ran before the
+oneDNN change: the sliced `bmm` GEMV up to 32 float32 rows, `F.linear` otherwise, i.e. MKL
+in float32 and oneDNN without a prepacked weight in bf16), the oneDNN path with a
+prepacked weight (`pack_weight` + `linear`), and in bf16 up to 32 rows the C++
+AVX512-BF16 GEMV on the dense weight (`cpu_kernels.bf16_linear`, where the CPU has it;
+the engine routes up to `GEMV_MAX_ROWS` rows to it). Each timing cycles through
 enough distinct weights (~200 MB) that they stream from memory, as in a decode step,
 instead of sitting in the caches. Also prints the 2048^3 GEMM rate of MKL (`torch.mm`) and
 of oneDNN, the two limits `bench_offline` takes the faster of.
@@ -19,9 +22,17 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_kernels
 from kernels.linear import SMALL_BATCH_ROWS, linear, pack_weight
 
-SHAPES = {"gate_up [3072x576]": (3072, 576), "down_proj [576x1536]": (576, 1536), "lm_head [49152x576]": (49152, 576)}
+SHAPES = {
+    "qkv [960x576]": (960, 576),
+    "gate_up [3072x576]": (3072, 576),
+    "down_proj [576x1536]": (576, 1536),
+    "lm_head [49152x576]": (49152, 576),
+}
+# The C++ GEMV is timed up to this many rows (beyond, it is far behind oneDNN).
+GEMV_BENCH_ROWS = 32
 
 
 def _old_path(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -55,14 +66,17 @@ def gemm_rates(dtype: torch.dtype, n: int = 2048) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="1,8,32,256")
+    p.add_argument("--rows", default="1,4,8,16,32,256")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--stream-mb", type=int, default=200, help="weight bytes cycled through per timing")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| dtype | weight | rows | default path ms | oneDNN packed ms | speed-up | oneDNN GB/s of weight |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    gemv = cpu_kernels.bf16_gemv_available()
+    print(f"C++ bf16 GEMV: {'available' if gemv else 'not available on this CPU/build (column left empty)'}")
+    print("| dtype | weight | rows | default path ms | oneDNN packed ms | speed-up | oneDNN GB/s of weight "
+          "| C++ GEMV ms | C++ GEMV GB/s | GEMV / oneDNN |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for name, (n, k) in SHAPES.items():
             size = n * k * torch.empty((), dtype=dtype).element_size()
@@ -70,14 +84,19 @@ def main() -> None:
             weights = [torch.randn(n, k).to(dtype) for _ in range(count)]
             packed = [pack_weight(w) for w in weights]
             if any(pw is None for pw in packed):
-                print(f"| {dtype} | {name} | - | - | unavailable | | |")
+                print(f"| {dtype} | {name} | - | - | unavailable | | | | | |")
                 continue
             pairs = list(zip(weights, packed))
             for rows in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(rows, k).to(dtype)
                 old = time_per_call(_old_path, x, weights)
                 new = time_per_call(lambda xs, wp: linear(xs, wp[0], None, wp[1]), x, pairs)
-                print(f"| {str(dtype)[6:]} | {name} | {rows} | {old * 1e3:.3f} | {new * 1e3:.3f} | {old / new:.2f}x | {size / new / 1e9:.1f} |")
+                cells = ["", "", ""]
+                if gemv and dtype == torch.bfloat16 and rows <= GEMV_BENCH_ROWS:
+                    cpp = time_per_call(cpu_kernels.bf16_linear, x, weights)
+                    cells = [f"{cpp * 1e3:.3f}", f"{size / cpp / 1e9:.1f}", f"{new / cpp:.2f}x"]
+                print(f"| {str(dtype)[6:]} | {name} | {rows} | {old * 1e3:.3f} | {new * 1e3:.3f} | {old / new:.2f}x "
+                      f"| {size / new / 1e9:.1f} | " + " | ".join(cells) + " |")
             del weights, packed, pairs
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         mkl, onednn = gemm_rates(dtype)

@@ -90,6 +90,54 @@ INSTRUCTIONS = (
 )
 
 
+# Input-grounded work (the `grounded` dataset): the answer quotes the input, which is where
+# prompt-lookup speculative decoding pays off.
+GROUNDED_INSTRUCTIONS = (
+    "Repeat the passage above word for word.",
+    "Rewrite the passage above with every number written out in words; keep everything else exactly as it is.",
+    "Summarise the passage above by quoting its two most important sentences exactly.",
+    "Copy the passage above, then add one sentence at the end that explains why it matters.",
+)
+
+CODE_SNIPPETS = (
+    "def moving_average(values, window):\n"
+    "    result = []\n"
+    "    for i in range(len(values) - window + 1):\n"
+    "        total = 0\n"
+    "        for j in range(window):\n"
+    "            total += values[i + j]\n"
+    "        result.append(total / window)\n"
+    "    return result\n",
+    "class Inventory:\n"
+    "    def __init__(self):\n"
+    "        self.items = {}\n"
+    "\n"
+    "    def add(self, name, count):\n"
+    "        self.items[name] = self.items.get(name, 0) + count\n"
+    "\n"
+    "    def remove(self, name, count):\n"
+    "        if self.items.get(name, 0) < count:\n"
+    "            raise ValueError('not enough ' + name)\n"
+    "        self.items[name] -= count\n",
+    "def parse_config(path):\n"
+    "    config = {}\n"
+    "    with open(path) as f:\n"
+    "        for line in f:\n"
+    "            line = line.strip()\n"
+    "            if not line or line.startswith('#'):\n"
+    "                continue\n"
+    "            key, value = line.split('=', 1)\n"
+    "            config[key.strip()] = value.strip()\n"
+    "    return config\n",
+)
+
+CODE_EDITS = (
+    "Add type hints to every function in the code above and return the whole file.",
+    "Add a docstring to every function in the code above and return the whole file.",
+    "Rename the variables in the code above to longer, clearer names and return the whole file.",
+)
+
+
 def words() -> list[str]:
     """Every word of the passages, in order (for word-based random prompts)."""
     return [w for p in PASSAGES for w in p.split()]

@@ -1,6 +1,6 @@
 """Workloads: the requests one run sends, built from a seed so every server gets the same ones.
 
-Four datasets:
+Five datasets:
 
 - ``random``: prompts of a random length in ``--input-len`` made of random vocabulary
   tokens (with a tokenizer; the text is re-tokenized and trimmed so the count is close to
@@ -8,6 +8,9 @@ Four datasets:
 - ``prefix``: ``--num-prefixes`` shared prefixes of ``--prefix-len`` tokens, each prompt one
   of them plus a random suffix of ``--input-len`` tokens (what a prefix cache is for);
 - ``chat``: one bundled passage plus one instruction as a chat message (/v1/chat/completions);
+- ``grounded``: input-grounded chat requests whose answers quote their input: a bundled
+  passage with "repeat / rewrite / summarise by quoting" instructions, or a bundled code
+  file with an edit that returns the whole file (what prompt-lookup speculation is for);
 - ``jsonl``: a file of ``{"prompt": str}`` or ``{"messages": [...]}`` objects, one a line,
   each optionally with ``"max_tokens"``.
 
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from loadtest import corpus
 
-DATASETS = ("random", "prefix", "chat", "jsonl")
+DATASETS = ("random", "prefix", "chat", "grounded", "jsonl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +166,18 @@ def chat_dataset(n: int, spec: DatasetSpec, rng: random.Random) -> list[BenchReq
     return out
 
 
+def grounded_dataset(n: int, spec: DatasetSpec, rng: random.Random) -> list[BenchRequest]:
+    tasks = [f"{p}\n\n{q}" for p in corpus.PASSAGES for q in corpus.GROUNDED_INSTRUCTIONS]
+    tasks += [f"```python\n{code}```\n\n{q}" for code in corpus.CODE_SNIPPETS for q in corpus.CODE_EDITS]
+    rng.shuffle(tasks)
+    out = []
+    for i in range(n):
+        content = tasks[i % len(tasks)]
+        message = {"role": "user", "content": content}
+        out.append(BenchRequest(spec.output_len.sample(rng), messages=(message,)))
+    return out
+
+
 def jsonl_dataset(n: int, spec: DatasetSpec, rng: random.Random) -> list[BenchRequest]:
     rows = read_jsonl(spec.jsonl_path)
     out = []
@@ -205,6 +220,8 @@ def build_dataset(spec: DatasetSpec, n: int, seed: int, source: TextSource | Non
     rng = random.Random(seed)
     if spec.name == "chat":
         return chat_dataset(n, spec, rng)
+    if spec.name == "grounded":
+        return grounded_dataset(n, spec, rng)
     if spec.name == "jsonl":
         return jsonl_dataset(n, spec, rng)
     source = source or TextSource(spec.tokenizer_path)

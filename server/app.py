@@ -11,8 +11,9 @@ error envelope.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib.metadata
+import logging
+import signal
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,11 +33,14 @@ from server.errors import (
 from server.metrics import Metrics
 from server.openapi import install_openapi
 from server.protocol import DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse
-from server.response_store import ResponseStore, key_owner
+from server.response_store import ResponseStore
 from server.serving import OpenAIServing, json_response, read_request
 from server.serving_chat import ChatServing, render_chat
 from server.serving_completion import CompletionServing
 from server.serving_responses import OWNER_STATE, ResponsesServing
+from server.tenants import LIMITER_STATE, TENANT_STATE, KeyRegistry
+
+logger = logging.getLogger("pagoda.server")
 
 __all__ = ["ServerConfig", "build_app", "pagoda_version"]
 
@@ -54,13 +58,16 @@ def pagoda_version() -> str:
 # ---- auth ----------------------------------------------------------------------------------------
 class APIKeyMiddleware:
     """`Authorization: Bearer KEY` on every route but the open ones (pure ASGI: no
-    per-chunk overhead on streams, unlike BaseHTTPMiddleware)."""
+    per-chunk overhead on streams, unlike BaseHTTPMiddleware).
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    The key is looked up in the `KeyRegistry` (`--api-key` and `--api-keys-file`, compared
+    in constant time); the request's scope then carries its owner id (the Responses store)
+    and its tenant, and every response to a key with rate limits carries OpenAI's
+    `x-ratelimit-*` headers, read when the response starts."""
+
+    def __init__(self, app: ASGIApp, keys: KeyRegistry) -> None:
         self.app = app
-        self.api_key = api_key.encode()
-        # Whom the key's requests act for (stored responses are visible to their owner only).
-        self.owner = key_owner(api_key)
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -73,14 +80,38 @@ class APIKeyMiddleware:
                 break
         scheme, _, token = given.partition(b" ")
         # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
-            scope.setdefault("state", {})[OWNER_STATE] = self.owner
+        tenant = self.keys.authenticate(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
+        if tenant is None:
+            message = "missing API key: send 'Authorization: Bearer KEY'" if not given else "incorrect API key provided"
+            error = AuthenticationError(message)
+            response = JSONResponse(error.envelope(), status_code=error.status_code, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        limiter = self.keys.limiter(tenant)
+        state = scope.setdefault("state", {})
+        state[OWNER_STATE] = tenant.owner
+        state[TENANT_STATE] = tenant
+        state[LIMITER_STATE] = limiter
+        if limiter is None:
             await self.app(scope, receive, send)
             return
-        message = "missing API key: send 'Authorization: Bearer KEY'" if not given else "incorrect API key provided"
-        error = AuthenticationError(message)
-        response = JSONResponse(error.envelope(), status_code=error.status_code, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+
+        async def send_with_limits(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *limiter.headers()]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_limits)
+
+
+def install_reload_on_sighup(keys: KeyRegistry) -> None:
+    """SIGHUP re-reads the keys file (on the event loop, between requests): see KeyRegistry.reload."""
+    if keys.path is None:
+        return
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, keys.reload)
+    except (NotImplementedError, RuntimeError, ValueError) as e:  # not the main thread, or no SIGHUP (Windows)
+        logger.warning("SIGHUP will not reload the API keys file here: %s", e)
 
 
 # ---- the endpoints that do not generate ----------------------------------------------------------
@@ -133,11 +164,15 @@ def health(serving: OpenAIServing) -> Response:
 
 
 # ---- the app -----------------------------------------------------------------------------------
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None, metrics: Metrics | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, config: ServerConfig | None = None, metrics: Metrics | None = None,
+    keys: KeyRegistry | None = None,
+) -> FastAPI:
     """The FastAPI app over `engine`, which the app's lifespan starts and shuts down.
 
     Pass the `Metrics` whose `on_step` the engine reports to; without one, a fresh one is
-    hooked to the engine here.
+    hooked to the engine here. `keys`: the API keys (`pagoda serve` reads the keys file
+    before loading the model, so a bad file fails fast); without them, read from `config`.
     """
     config = config or ServerConfig()
     if metrics is None:
@@ -150,9 +185,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, metrics: 
         serving, chat_serving, ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
     )
 
+    keys = keys if keys is not None else KeyRegistry(config.api_keys_file, config.api_key)
+    serving.keys = keys
+    metrics.set_api_keys(keys.names)
+    keys.on_reload = lambda named: metrics.set_api_keys([t.name for t in named])
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        install_reload_on_sighup(keys)
         try:
             yield
         finally:
@@ -163,8 +204,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, metrics: 
     app.state.serving = serving
     install_exception_handlers(app)
     install_openapi(app)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if keys.enabled:
+        app.add_middleware(APIKeyMiddleware, keys=keys)
 
     @app.post("/v1/completions")
     async def completions_route(request: Request) -> Response:

@@ -21,13 +21,16 @@ _ENGINE_KEYS = (
     "dtype", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
     "max_num_batched_tokens", "quantization", "kernel_backend", "seed", "enable_prefix_caching",
     "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "max_cuda_graph_batch_size", "load_format",
+    "lm_head_quantization",
+    "speculative_config",
+    "scheduling_policy",
 )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags. Their help is the docstring of the config field behind each
     (engine/config.py), filled in by `server.config_doc.document_flags`."""
-    from engine.config import DTYPES, KERNEL_BACKENDS, LOAD_FORMATS, QUANTIZATION_METHODS
+    from engine.config import DTYPES, KERNEL_BACKENDS, LM_HEAD_QUANTIZATIONS, LOAD_FORMATS, QUANTIZATION_METHODS
 
     parser.add_argument("--model", default=None)
     # The aliases (fp32, half, bf16, ...) are accepted; the usage line names the canonical ones.
@@ -37,7 +40,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=float, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    from engine.config import SCHEDULING_POLICIES
+
+    parser.add_argument("--scheduling-policy", default=None, choices=SCHEDULING_POLICIES)
     parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS)
+    parser.add_argument("--lm-head-quantization", default=None, choices=LM_HEAD_QUANTIZATIONS)
     parser.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
@@ -45,6 +52,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-cuda-graph-batch-size", type=int, default=None)
     parser.add_argument("--load-format", default=None, choices=LOAD_FORMATS)
+    parser.add_argument("--speculative-config", default=None, metavar="JSON")
     # In a --config file: `enable-prefix-caching: false`.
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of earlier requests' identical prompt prefixes")
@@ -69,6 +77,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on.")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"))
+    parser.add_argument("--api-keys-file", default=defaults.api_keys_file, metavar="PATH")
     parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="unfinished samples the engine accepts before answering 503 + Retry-After")
@@ -183,11 +192,13 @@ def run_serve(ns: argparse.Namespace) -> int:
     from server.app import ServerConfig, build_app
     from server.metrics import Metrics
     from server.shutdown import FLUSH_TIMEOUT_S, DrainingServer
+    from server.tenants import KeyRegistry
 
     try:
         server_config = ServerConfig(
             served_model_name=ns.served_model_name,
             api_key=ns.api_key or None,
+            api_keys_file=ns.api_keys_file,
             max_body_bytes=ns.max_body_bytes,
             max_n=ns.max_n,
             health_stall_timeout_s=ns.health_stall_timeout,
@@ -205,6 +216,8 @@ def run_serve(ns: argparse.Namespace) -> int:
             raise ValueError(f"max_waiting_requests must be >= 1, got {ns.max_waiting_requests}")
         if ns.max_waiting_tokens is not None and ns.max_waiting_tokens < 1:
             raise ValueError(f"max_waiting_tokens must be >= 1, got {ns.max_waiting_tokens}")
+        # Before the model loads: a malformed keys file fails at once, in one line.
+        keys = KeyRegistry(server_config.api_keys_file, server_config.api_key)
         config = EngineConfig.from_engine_args(model=ns.model, **engine_args_from(ns))
         model_name = ns.served_model_name or resolve_model_path(config.model.model).name
         metrics = Metrics(
@@ -220,8 +233,12 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"pagoda: error: {e}", file=sys.stderr)
         return 2
     server_config.served_model_name = model_name
-    app = build_app(engine, server_config, metrics)
-    auth = "with an API key" if server_config.api_key else "without an API key"
+    app = build_app(engine, server_config, metrics, keys)
+    auth = "without an API key"
+    if keys.names:
+        auth = f"with {len(keys.names)} named API keys from {server_config.api_keys_file} (SIGHUP reloads it)"
+    elif server_config.api_key:
+        auth = "with an API key"
     print(f"[pagoda] serving {model_name!r} on http://{ns.host}:{ns.port} ({auth})", file=sys.stderr, flush=True)
     # loop/http "auto": uvloop and httptools when installed (they are dependencies, except
     # uvloop on Windows), else asyncio and h11.

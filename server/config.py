@@ -11,6 +11,8 @@ class ServerConfig:
     """The name clients put in `model`; default: the model folder's name."""
     api_key: str | None = None
     """With a key, every route except /health, /metrics and /version needs `Authorization: Bearer KEY`."""
+    api_keys_file: str | None = None
+    """YAML or JSON file of named API keys, each with optional requests_per_minute, tokens_per_minute, max_concurrent_requests and priority (server/tenants.py; configs/api-keys/example.yaml); re-read on SIGHUP (a malformed file then keeps the keys in force). Beside --api-key, which stays valid."""
     max_body_bytes: int = 4 * 2**20
     """Largest request body; 4 MiB holds 64 prompts of 8k token ids as JSON."""
     max_n: int = 16

@@ -84,6 +84,18 @@ class RequestTooLargeError(APIError):
     code = "request_too_large"
 
 
+class RateLimitError(APIError):
+    """429: over a limit of the caller's API key (server/rate_limit.py); OpenAI's envelope
+    has type "requests" or "tokens" and code rate_limit_exceeded, with Retry-After."""
+
+    status_code = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, error_type: str, headers: dict[str, str]) -> None:
+        super().__init__(message, headers=headers)
+        self.error_type = error_type
+
+
 class ServiceUnavailableError(APIError):
     """503: the queue is full, the engine is unhealthy or the server is draining."""
 

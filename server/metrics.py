@@ -154,6 +154,19 @@ class Metrics:
         self.grammar_compile_failures = counter(
             "grammar_compile_failures", "Grammars that failed to compile (invalid, or past a limit).")
 
+        # Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens;
+        # per position j, accepted_tokens_per_pos{position=j} / num_drafts.
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Speculative decoding: verifications (a request's drafts checked in one step).")
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
+        self._spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by position in the draft (0 = first).",
+            ["model_name", "position"], registry=reg)
+
         # Per HTTP endpoint (completions, chat_completions, responses): the engine's series
         # above cannot tell which API a request came through.
         endpoint_labels = ["model_name", "endpoint"]
@@ -173,6 +186,27 @@ class Metrics:
             self._endpoint_prompt_tokens.labels(model_name, endpoint)
             self._endpoint_generation_tokens.labels(model_name, endpoint)
 
+        # Per API key (--api-keys-file), labelled by the key's name, never by the key.
+        tenant_labels = ["model_name", "tenant"]
+        self._api_keys = gauge("api_keys", "Named API keys in force (--api-keys-file).")
+        self._tenant_requests = Counter(
+            PREFIX + "tenant_requests", "Requests admitted, by API key name.", tenant_labels, registry=reg)
+        self._tenant_rejections = Counter(
+            PREFIX + "tenant_rejections",
+            "Requests answered 429, by API key name and limit (requests, tokens, concurrency).",
+            ["model_name", "tenant", "limit"], registry=reg)
+        self._tenant_prompt_tokens = Counter(
+            PREFIX + "tenant_prompt_tokens", "Prompt tokens admitted, by API key name.", tenant_labels, registry=reg)
+        self._tenant_generation_tokens = Counter(
+            PREFIX + "tenant_generation_tokens", "Generated tokens, by API key name.", tenant_labels, registry=reg)
+        self._tenant_ttft = Histogram(
+            PREFIX + "tenant_time_to_first_token_seconds", "Time to first token, seconds, by API key name.",
+            tenant_labels, registry=reg, buckets=TTFT_BUCKETS)
+        self._tenant_queue_time = Histogram(
+            PREFIX + "tenant_request_queue_time_seconds",
+            "Time from arrival to first scheduled, seconds, by API key name.",
+            tenant_labels, registry=reg, buckets=REQUEST_LATENCY_BUCKETS)
+
         # The Responses API's store.
         self.responses_stored = gauge(
             "responses_stored", "Responses kept for previous_response_id and GET /v1/responses/{id}.")
@@ -189,6 +223,33 @@ class Metrics:
         self._endpoint_prompt_tokens.labels(self.model_name, endpoint).inc(num_prompt_tokens)
         self._endpoint_generation_tokens.labels(self.model_name, endpoint).inc(num_generation_tokens)
         self._endpoint_latency.labels(self.model_name, endpoint).observe(latency_s)
+
+    def set_api_keys(self, names: list[str]) -> None:
+        """The named keys now in force: their count, and zeroed series for each new name."""
+        self._api_keys.set(len(names))
+        for name in names:
+            self._tenant_requests.labels(self.model_name, name)
+            self._tenant_prompt_tokens.labels(self.model_name, name)
+            self._tenant_generation_tokens.labels(self.model_name, name)
+
+    def record_tenant_request(self, tenant: str) -> None:
+        self._tenant_requests.labels(self.model_name, tenant).inc()
+
+    def record_tenant_rejection(self, tenant: str, limit: str) -> None:
+        self._tenant_rejections.labels(self.model_name, tenant, limit).inc()
+
+    def record_tenant_tokens(self, tenant: str, prompt: int = 0, generation: int = 0) -> None:
+        if prompt:
+            self._tenant_prompt_tokens.labels(self.model_name, tenant).inc(prompt)
+        if generation:
+            self._tenant_generation_tokens.labels(self.model_name, tenant).inc(generation)
+
+    def record_tenant_finished(self, tenant: str, ttft_s: float | None, queue_time_s: float | None) -> None:
+        """A finished engine request of `tenant` (from the engine thread): its latencies."""
+        if ttft_s is not None:
+            self._tenant_ttft.labels(self.model_name, tenant).observe(ttft_s)
+        if queue_time_s is not None:
+            self._tenant_queue_time.labels(self.model_name, tenant).observe(queue_time_s)
 
     def set_response_store(self, num_entries: int, num_bytes: int) -> None:
         self.responses_stored.set(num_entries)
@@ -211,12 +272,21 @@ class Metrics:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
         self.record_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits)
 
+        if stats.spec_num_drafts:
+            self.spec_decode_num_drafts.inc(stats.spec_num_drafts)
+            self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(stats.spec_num_accepted_tokens)
+            for position in stats.spec_accepted_per_position:
+                self._spec_accepted_per_pos.labels(self.model_name, str(position)).inc()
+
         for ttft in stats.time_to_first_token_s:
             self.time_to_first_token.observe(ttft)
         for itl in stats.inter_token_latency_s:
             self.inter_token_latency.observe(itl)
 
         for req in stats.finished:
+            if req.tenant is not None:
+                self.record_tenant_finished(req.tenant, req.time_to_first_token_s, req.queue_time_s)
             self._request_success.labels(self.model_name, req.finish_reason).inc()
             self.e2e_request_latency.observe(req.e2e_latency_s)
             if req.queue_time_s is not None:

@@ -120,7 +120,6 @@ REFUSED_COMMON: Mapping[str, Refusal] = {
     "bad_words": Refusal(f"{_NOT_IMPLEMENTED_VLLM} (stop or logit_bias may help)", (None, [])),
     "truncate_prompt_tokens": Refusal(_NOT_IMPLEMENTED_VLLM),
     "spaces_between_special_tokens": Refusal(_NOT_IMPLEMENTED_VLLM, (None, True)),
-    "priority": Refusal("this server schedules first come, first served", (None, 0)),
     "logits_processors": Refusal(_NOT_IMPLEMENTED_VLLM),
     "return_tokens_as_token_ids": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
     "return_token_ids": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
@@ -345,6 +344,9 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_LEN)
     """vLLM's name: requests reuse each other's cached prompt blocks only when their salts match."""
+    priority: int | None = Field(None, ge=-1000, le=1000)
+    """vLLM's scheduling priority: lower is scheduled first (`--scheduling-policy fair`); with a
+    named API key, no lower than the key's priority; none: the key's priority, or 0."""
 
     # What the output must match (see structured_output_spec).
     response_format: ResponseFormat | None = None

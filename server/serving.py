@@ -39,6 +39,7 @@ from server.errors import (
     ContextLengthError,
     InvalidRequestError,
     ModelNotFoundError,
+    RateLimitError,
     RequestTooLargeError,
     ServiceUnavailableError,
     retry_after,
@@ -47,6 +48,8 @@ from server.errors import (
 )
 from server.metrics import Metrics
 from server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo, parse_json_object
+from server.rate_limit import KeyLimiter, RateLimitExceeded, retry_after_headers
+from server.tenants import Tenant, request_tenant
 
 logger = logging.getLogger("pagoda.server")
 T = TypeVar("T")
@@ -163,11 +166,33 @@ class Admission:
     fail inside their already-started streams; with it, every refusal is a plain 503.
     """
 
-    def __init__(self, serving: "OpenAIServing", num_places: int) -> None:
+    def __init__(
+        self, serving: "OpenAIServing", num_places: int, tenant: Tenant | None = None,
+        limiter: KeyLimiter | None = None, priority: int = 0,
+    ) -> None:
         self.serving = serving
         self.num_places = num_places
         self.num_tokens = 0
         serving.num_reserved += num_places
+        self.tenant = tenant
+        """The caller's API key (None without keys); its name tags the engine requests."""
+        self.limiter = limiter
+        """The key's rate limits (None: none); holds a concurrency slot until release_all."""
+        self.priority = priority
+        """The scheduling priority the request runs at (lower first)."""
+        self._slot_held = limiter is not None
+
+    @property
+    def tenant_name(self) -> str | None:
+        return None if self.tenant is None else self.tenant.name
+
+    def charge_output(self, num_tokens: int) -> None:
+        """Completion tokens the engine produced: they count against the key's limit (never
+        refused) and in its per-key series."""
+        if self.limiter is not None:
+            self.limiter.charge_tokens(num_tokens)
+        if self.tenant_name is not None and num_tokens > 0:
+            self.serving.metrics.record_tenant_tokens(self.tenant_name, generation=num_tokens)
 
     def add_tokens(self, num_tokens: int) -> None:
         self.num_tokens += num_tokens
@@ -182,7 +207,12 @@ class Admission:
         self.serving.num_reserved_tokens -= num_tokens
 
     def release_all(self) -> None:
+        """The request is over (or never started): everything it held goes back, its
+        key's concurrency slot included."""
         self.release(self.num_places, self.num_tokens)
+        if self._slot_held:
+            self._slot_held = False
+            self.limiter.release()
 
 
 async def _admitted(
@@ -200,6 +230,7 @@ async def _admitted(
         async with aclosing(gen):
             async for out in gen:
                 for c in out.outputs:
+                    admission.charge_output(len(c.token_ids) - num_generated.get(c.index, 0))
                     num_generated[c.index] = len(c.token_ids)
                     finish_reason = c.finish_reason or finish_reason
                 yield out
@@ -275,6 +306,8 @@ class OpenAIServing:
         """Prompt tokens admitted but not yet handed to the engine."""
         self.draining = False
         """Set on SIGTERM (server/shutdown.py): new requests get 503, /health too."""
+        self.keys = None
+        """The API keys (server/tenants.py `KeyRegistry`), set by build_app."""
         self.engine_death_logged = False
         self.tokenizers = TokenizerPool(engine.tokenizer, config.tokenizer_threads)
         engine.set_grammar_compile_hook(metrics.on_grammar_compiled)
@@ -297,9 +330,10 @@ class OpenAIServing:
         """Samples admitted and not finished: in the engine, or on their way to it."""
         return self.engine.num_unfinished + self.num_reserved
 
-    def admit(self, num_children: int) -> Admission:
+    def admit(self, num_children: int, request: Request | None = None, priority: int | None = None) -> Admission:
         """Queue places for a request's samples, taken before tokenizing; refused here (a
-        503) rather than inside a started stream (an error event)."""
+        503) rather than inside a started stream (an error event). Then the caller's key
+        (from `request`'s scope) is held to its limits (429) and `priority` to its bounds (400)."""
         engine = self.engine
         if self.draining:
             raise ServiceUnavailableError("the server is shutting down", code="server_draining", headers=retry_after())
@@ -314,7 +348,41 @@ class OpenAIServing:
                 param="n",
             )
         engine.check_capacity(num_children, 0, self.num_reserved)
-        return Admission(self, num_children)
+        tenant, limiter = request_tenant(request.scope.get("state", {})) if request is not None else (None, None)
+        priority = self.resolve_priority(priority, tenant)
+        name = None if tenant is None else tenant.name
+        if limiter is not None:
+            try:
+                limiter.admit_request()
+            except RateLimitExceeded as e:
+                raise self._rate_limited(name, e) from None
+        if name is not None:
+            self.metrics.record_tenant_request(name)
+        return Admission(self, num_children, tenant, limiter, priority)
+
+    def resolve_priority(self, requested: int | None, tenant: Tenant | None) -> int:
+        """The priority a request runs at: the one it asks for, else its key's. A named key's
+        priority is also the most urgent its requests may ask for (lower is more urgent)."""
+        if self.engine.config.scheduler.scheduling_policy == "fcfs":
+            if requested not in (None, 0):
+                raise InvalidRequestError(
+                    "priority is not supported: this server schedules first come, first served "
+                    "(--scheduling-policy fcfs)", param="priority")
+            return 0
+        floor = tenant.priority if tenant is not None and tenant.name is not None else None
+        if requested is None:
+            return floor or 0
+        if floor is not None and requested < floor:
+            raise InvalidRequestError(
+                f"priority {requested} is more urgent than this API key allows: its requests may ask for "
+                f"{floor} or more (lower is more urgent)", param="priority")
+        return requested
+
+    def _rate_limited(self, tenant_name: str | None, e: RateLimitExceeded) -> RateLimitError:
+        if tenant_name is not None:
+            self.metrics.record_tenant_rejection(tenant_name, e.kind)
+        error_type = "tokens" if e.kind == "tokens" else "requests"
+        return RateLimitError(e.message, error_type, retry_after_headers(e.retry_after_s))
 
     async def tokenize(
         self, admission: Admission, fn: Callable[..., list[PromptInput]], *args: Any
@@ -325,6 +393,16 @@ class OpenAIServing:
             prompts = await self.tokenizers.run(fn, *args)
             num_tokens = sum(len(p.token_ids) for p in prompts)
             self.engine.check_capacity(0, num_tokens, self.num_reserved, self.num_reserved_tokens)
+            if admission.limiter is not None:
+                try:
+                    admission.limiter.admit_tokens(num_tokens)
+                except RateLimitExceeded as e:
+                    admission.limiter.refund_request()  # refused: the request does not count either
+                    raise self._rate_limited(admission.tenant_name, e) from None
+                except ValueError as e:
+                    raise InvalidRequestError(str(e)) from None
+            if admission.tenant_name is not None:
+                self.metrics.record_tenant_tokens(admission.tenant_name, prompt=num_tokens)
             admission.add_tokens(num_tokens)
             return prompts
         except BaseException:
@@ -463,7 +541,8 @@ class OpenAIServing:
         gens = [
             _admitted(
                 self.engine.generate(
-                    f"{request_id}-{i}", p.token_ids, p.params, cache_salt, deadline, self.config.max_queue_time_s
+                    f"{request_id}-{i}", p.token_ids, p.params, cache_salt, deadline, self.config.max_queue_time_s,
+                    admission.tenant_name, admission.priority,
                 ),
                 admission,
                 p.params.n,

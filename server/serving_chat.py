@@ -129,7 +129,7 @@ class ChatServing:
         serving = self.serving
         req = await read_request(request, ChatCompletionRequest, serving.config.max_body_bytes)
         serving.check_model(req.model)
-        tools, admission, prompt = await self.admit_prompt(req)
+        tools, admission, prompt = await self.admit_prompt(req, request)
         top_k = req.top_logprobs or 0
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -161,7 +161,9 @@ class ChatServing:
         )
         return json_response(response)
 
-    async def admit_prompt(self, req: ChatCompletionRequest) -> tuple[_Tools, Admission, PromptInput]:
+    async def admit_prompt(
+        self, req: ChatCompletionRequest, request: Request | None = None
+    ) -> tuple[_Tools, Admission, PromptInput]:
         """What a chat-shaped request (chat, or a Responses request turned into one) goes
         through before its stream starts: its tools, its grammar (compiled here, so a bad one
         is a 400), its sampling params, its queue places, then its rendered prompt's tokens."""
@@ -171,7 +173,7 @@ class ChatServing:
         top_k = req.top_logprobs or 0
         params = serving.sampling_params(req, req.output_limit, top_k if req.logprobs else None, structured_output=spec)
         await serving.prepare_structured_output(spec, kind)
-        admission = serving.admit(req.n)
+        admission = serving.admit(req.n, request, req.priority)
         [prompt] = await serving.tokenize(admission, self._tokenize, req, params, tools)
         return tools, admission, prompt
 

@@ -88,7 +88,7 @@ class CompletionServing:
             # best_of: every sample's own token logprobs rank it (the first entry of each dict).
             params = dataclasses.replace(params, n=samples, logprobs=req.logprobs or 0)
         await serving.prepare_structured_output(spec)
-        admission = serving.admit(len(req.prompts) * samples)
+        admission = serving.admit(len(req.prompts) * samples, request, req.priority)
         prompts = await serving.tokenize(admission, self._tokenize, req.prompts, req.echo, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())

@@ -198,7 +198,7 @@ class ResponsesServing:
             conversation = previous.conversation + conversation
         with _responses_params():
             chat_req = ChatCompletionRequest.model_validate(req.to_chat_request(conversation))
-            tools, admission, prompt = await self.chat.admit_prompt(chat_req)
+            tools, admission, prompt = await self.chat.admit_prompt(chat_req, request)
         response_id = new_id("resp")
         response = response_object(req, response_id, serving.model_name)
         stream = serving.start_streams(response_id, [prompt], None, admission, arrival, ENDPOINT)

@@ -43,6 +43,7 @@ from engine.distributed.worker import worker_main
 from engine.models.llama import ModelArgs
 
 if TYPE_CHECKING:
+    from engine.prompt_logprobs import PromptLogprobRows
     from engine.worker import RankPlacement, Worker
 
 _JOIN_TIMEOUT_S = 10.0
@@ -108,15 +109,17 @@ class TensorParallelExecutor:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         blocks_to_copy: torch.Tensor | None,
+        prompt_logprobs: "PromptLogprobRows | None" = None,
     ) -> torch.Tensor:
         """`ModelRunner.forward_step` under tensor parallelism: send the step to the worker
-        ranks, then run rank 0's part (whose collectives meet theirs)."""
+        ranks, then run rank 0's part (whose collectives meet theirs). The prompt-logprob
+        rows stay on rank 0: the workers chunk the LM head alike by the row count alone."""
         self.check_workers()
         step = StepInputs(input_ids, positions, meta, blocks_to_copy)
         try:
             self.groups.send_control(encode_header(MessageKind.STEP, step))
             dist.broadcast(encode_payload(step), 0, group=self.groups.model)
-            return self.worker.forward(input_ids, positions, meta, blocks_to_copy)
+            return self.worker.forward(input_ids, positions, meta, blocks_to_copy, prompt_logprobs)
         except Exception as e:
             self.check_workers()  # a dead worker is the better explanation
             self._fail(f"a step failed after the workers started it, so the ranks are out of step ({type(e).__name__}: {e})")

@@ -144,6 +144,7 @@ def shard_model(
     quantization: str | None,
     device: torch.device,
     group: dist.ProcessGroup,
+    lm_head_quantization: str = "auto",
 ) -> LlamaForCausalLM:
     """Cut a whole float model (loaded on the CPU) down to this rank's shard on `device`,
     quantized as the whole model would be; returns the same module, changed in place."""
@@ -190,7 +191,7 @@ def shard_model(
     if quantization is not None:
         from engine.quantization.rtn import convert_model
 
-        convert_model(model, quantization)
+        convert_model(model, quantization, lm_head_quantization)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if split_inputs_late:

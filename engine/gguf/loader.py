@@ -34,7 +34,7 @@ from kernels.quant_linear import cpu_int4_mm_available, pack_int4_cpu
 
 def load_gguf_model(
     cfg, gguf: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-    quantization: str | None, load_format: str, copy_weight: Callable,
+    quantization: str | None, load_format: str, copy_weight: Callable, lm_head_quantization: str = "auto",
 ) -> nn.Module:
     """The model of `cfg` (the metadata folder's config) with the weights of `gguf`.
     `copy_weight` is engine/loader.py's `(model, params, pending, name, tensor, source)`: it
@@ -74,7 +74,7 @@ def load_gguf_model(
     if quantization is not None:
         from engine.quantization.rtn import convert_model
 
-        convert_model(model, quantization)  # only the float Linears left
+        convert_model(model, quantization, lm_head_quantization)  # only the float Linears left
     return model.eval().requires_grad_(False)
 
 

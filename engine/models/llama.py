@@ -16,7 +16,8 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.models.args import ModelArgs, rope_inv_freq
 from kernels.elementwise import rms_norm, rotate_half
-from kernels.linear import linear, pack_weight, packed_linear
+from kernels.cpu_kernels import bf16_linear
+from kernels.linear import GEMV_MAX_ROWS, gemv_enabled, gemv_takes, linear, pack_weight, packed_linear
 from kernels.ops import KernelOps
 
 # Checkpoint tensors that load into a slice of a fused parameter: (fused name, shard index).
@@ -92,12 +93,17 @@ class Linear(nn.Module):
         # once the weights are final, which then drops `weight` (None): the packed copy is
         # the only one. A plain attribute, outside the state dict.
         self.packed: torch.Tensor | None = None
+        # Up to this many rows (0: never) `forward` runs the C++ bf16 GEMV on the dense
+        # `weight`, kept beside the packed copy for it (`prepack_linears`).
+        self.gemv_max_rows = 0
 
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
         start = sum(self.shard_sizes[:index])
         return param.narrow(0, start, self.shard_sizes[index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_max_rows and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and x.dtype == torch.bfloat16:
+            return bf16_linear(x, self.weight, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
@@ -113,6 +119,15 @@ def prepack_linears(model: nn.Module) -> tuple[int, int]:
     give, and the head through the dense weight is ~30% slower per call than packed (it
     streams the largest matrix of a small model every step; docs/BENCHMARKS.md), so such
     a head is packed and the dense table kept: one extra copy of the vocabulary matrix.
+
+    bf16 where the C++ GEMV runs (`kernels.linear.gemv_enabled`: AVX512-BF16): every
+    packed linear also keeps its dense weight, which few-row calls (decode, up to
+    `GEMV_MAX_ROWS`) stream through the GEMV at 1.5-2x oneDNN's GEMV rate, while
+    larger ones (prefill, big decode batches) keep oneDNN's faster packed GEMM: +1x the
+    decoder's linear weights in memory (+212 MB for SmolLM2-135M in bf16; a tied head's
+    dense table exists anyway). One copy would cost one of the two: the dense weight
+    through F.linear is 1.2-2x slower than packed at 4-32 rows, and the GEMV is level with
+    oneDNN at 4 rows (docs/BENCHMARKS.md). `PAGODA_CPU_GEMV=0` keeps one copy.
     Returns how many were packed (none off the CPU: `pack_weight` takes CPU weights only)
     and how many of those keep a dense weight because it is shared."""
     # By storage, not by Parameter: tensor parallelism re-wraps the tied table's data.
@@ -121,6 +136,7 @@ def prepack_linears(model: nn.Module) -> tuple[int, int]:
         for param in module.parameters(recurse=False)
     }
     packed = kept_shared = 0
+    gemv = None  # whether the GEMV runs here: asked once, and only for a bf16 model
     for module in model.modules():
         if not isinstance(module, Linear) or module.weight is None:
             continue
@@ -128,9 +144,13 @@ def prepack_linears(model: nn.Module) -> tuple[int, int]:
         if module.packed is None:
             continue
         packed += 1
+        if gemv_takes(module.weight, module.bias):
+            gemv = gemv_enabled() if gemv is None else gemv
+            if gemv:
+                module.gemv_max_rows = GEMV_MAX_ROWS  # and the dense weight stays, for the GEMV
         if module.weight.untyped_storage().data_ptr() in shared:
             kept_shared += 1  # the embedding still reads it
-        else:
+        elif not module.gemv_max_rows:
             module.weight = None  # the packed copy is the only one from here on
     return packed, kept_shared
 

@@ -16,3 +16,7 @@
 METHODS = ("int8", "int4", "w8a8")
 """`--quantization` values: RTN weight-only INT8 (per-channel) / INT4 (group 128); W8A8
 (int8 per-channel weights, int8 per-token dynamic activations, no calibration: `w8a8`)."""
+
+LM_HEAD_QUANTIZATIONS = ("auto", "int8", "none")
+"""`--lm-head-quantization` values: the LM head under `--quantization` INT8 weight-only, in
+the compute dtype, or chosen per method and device (`rtn.lm_head_int8`)."""

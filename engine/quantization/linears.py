@@ -114,6 +114,13 @@ def int4_linear(qt: QuantizedTensor, bias: torch.Tensor | None, dtype: torch.dty
     """The serving module of a per-group INT4 weight: torch's CPU int4 layout where that
     kernel runs (group sizes 32..256), else the AutoGPTQ layout of the reference op."""
     scales, zeros = qt.scale.t().contiguous(), qt.zero.t().contiguous()  # [K / G, N]
+    if device.type == "cuda" and not (qt.group_size % 8 == 0 and qt.q.shape[1] % qt.group_size == 0):
+        # The Triton kernel takes any multiple of 8 (group -1 is G = K): refused here, at
+        # load, rather than served by the dequantizing reference on every call.
+        raise ValueError(
+            f"INT4 group size {qt.group_size} (K={qt.q.shape[1]}) is not served on CUDA: the W4A16 kernel "
+            "needs a multiple of 8 that divides K"
+        )
     if device.type == "cpu" and cpu_int4_mm_available() and qt.group_size in CPU_INT4_GROUP_SIZES:
         packed, scales_and_zeros = pack_int4_cpu(qt.q, scales, zeros, qt.group_size)
         tensors = {"qweight": packed, "scales_and_zeros": scales_and_zeros}

@@ -37,7 +37,16 @@ class GrammarMatcher(ABC):
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens (speculative decoding)."""
+        """Undo the last `num_tokens` accepted tokens."""
+
+    @abstractmethod
+    def num_allowed_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar allows in a row from here,
+        without advancing (speculative decoding trims its drafts to these)."""
+
+    @abstractmethod
+    def copy(self) -> "GrammarMatcher":
+        """An independent matcher in the same state (a draft position's view)."""
 
 
 class CompiledGrammar(ABC):

@@ -65,6 +65,12 @@ class _Matcher(GrammarMatcher):
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
+    def num_allowed_prefix(self, token_ids: list[int]) -> int:
+        return self.matcher.validate_tokens(token_ids)
+
+    def copy(self) -> "_Matcher":
+        return _Matcher(self.matcher.deep_copy())
+
 
 class _Compiled(CompiledGrammar):
     def __init__(self, template: llguidance.LLMatcher) -> None:

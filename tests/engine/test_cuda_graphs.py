@@ -239,6 +239,44 @@ def test_padded_decode_forward_never_syncs_with_the_host(model_path, monkeypatch
     aten op that would (item, nonzero, ...) nor a tensor-to-Python conversion."""
     if not INTERPRETED:
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 before the kernels import (on CUDA: the capture itself)")
+    core = _engine(model_path, device="cpu", kernel_backend="triton").engine_core
+    _check_padded_forward_never_syncs(core, monkeypatch)
+
+
+def test_padded_decode_forward_never_syncs_with_quantized_linears(model_path, monkeypatch):
+    """The same with the quantized linears routed as on CUDA (kernels.quant_linear.use_triton):
+    INT4 in AutoGPTQ's layout on the W4A16 kernel, one layer with GPTQ's group_size -1 (a
+    group of all K inputs), one INT8 layer on the W8A16 kernel; all interpreted here. (The
+    reference's host -> device constant copy once made such a capture fail.)"""
+    if not INTERPRETED:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 before the kernels import (on CUDA: the capture itself)")
+    import engine.quantization.linears as linears
+    import kernels.quant_linear
+    from engine.quantization.affine import quantize_tensor
+    from engine.quantization.rtn import quantize_weight
+
+    monkeypatch.setattr(linears, "cpu_int4_mm_available", lambda: False)  # AutoGPTQ's layout, as on CUDA
+    monkeypatch.setattr(kernels.quant_linear, "use_triton", lambda device: True)
+    core = _engine(model_path, device="cpu", kernel_backend="triton", quantization="int4").engine_core
+    layer = core.model.model.layers[0]
+    gen = torch.Generator().manual_seed(0)
+    down = torch.randn(layer.mlp.down_proj.qweight.shape[1], layer.mlp.down_proj.qweight.shape[0] * 8, generator=gen)
+    layer.mlp.down_proj = linears.int4_linear(
+        quantize_tensor(down, 4, down.shape[1], symmetric=False), None, torch.float32, core.device
+    )
+    o_proj = torch.randn(64, 4 * 64, generator=gen)
+    layer.self_attn.o_proj = linears.int8_linear(quantize_weight(o_proj, "int8"), None, torch.float32, core.device)
+    assert layer.mlp.down_proj.group_size == down.shape[1] and not layer.mlp.down_proj.cpu_packed
+    calls = []
+    for name in ("w4a16_linear", "w8a16_linear"):
+        module = __import__(f"kernels.triton_{name.split('_')[0]}", fromlist=[name])
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    _check_padded_forward_never_syncs(core, monkeypatch)
+    assert {"w4a16_linear", "w8a16_linear"} <= set(calls)  # the kernels ran under the recorder
+
+
+def _check_padded_forward_never_syncs(core, monkeypatch) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     syncing_ops = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default",
@@ -256,7 +294,6 @@ def test_padded_decode_forward_never_syncs_with_the_host(model_path, monkeypatch
             return method(self, *args, **kwargs)
         return wrapper
 
-    core = _engine(model_path, device="cpu", kernel_backend="triton").engine_core
     runner = _padded_runner(core, use_cuda_graphs=False)
     conversions = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy")
     for name in conversions:
@@ -277,6 +314,44 @@ def test_profile_run_covers_the_token_budget_on_cpu(model_path):
     scratch = profile_run(core.model, spec, core.ops, core.device, max_num_batched_tokens=50, max_num_seqs=8)
     blocks = sum(-(-n // BLOCK_SIZE) for n in profile_batch_lengths(50, 8))
     assert scratch == blocks * spec.bytes_per_block
+
+
+def test_profile_run_includes_prompt_logprob_rows_in_chunks(model_path, monkeypatch):
+    """The profile step's LM head sees every position of the budget (the sampling rows and,
+    the worst case, every other position as a prompt-logprob row), at most one chunk of
+    rows at a time, as a real step computes them: their memory is in the profile's peak."""
+    import engine.prompt_logprobs
+
+    monkeypatch.setattr(engine.prompt_logprobs, "LOGITS_CHUNK_ROWS", 16)
+    core = _engine(model_path, device="cpu").engine_core
+    spec = KVCacheSpec.from_model(core.model.args, torch.float32, BLOCK_SIZE)
+    rows: list[int] = []
+    compute_logits = core.model.compute_logits
+    monkeypatch.setattr(core.model, "compute_logits", lambda hidden: rows.append(hidden.shape[0]) or compute_logits(hidden))
+    profile_run(core.model, spec, core.ops, core.device, max_num_batched_tokens=50, max_num_seqs=8)
+    assert rows == [16, 16, 16, 2]
+
+
+def test_capture_failure_falls_back_to_eager_with_one_log_line(model_path, monkeypatch, capfd):
+    """A capture that raises (here a stand-in for CUDA's "operation not permitted when stream
+    is capturing") leaves the engine on the eager path, said once at start-up."""
+    import engine.cuda_graphs as cuda_graphs
+
+    core = _engine(model_path, device="cpu").engine_core
+    capfd.readouterr()
+
+    def failing_capture(self, log=True):
+        self.graphs[1] = object()  # a half-finished capture
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(cuda_graphs, "graphs_unsupported_reason", lambda *args: None)
+    monkeypatch.setattr(cuda_graphs.DecodeGraphRunner, "capture", failing_capture)
+    assert cuda_graphs.build_decode_graph_runner(core.worker, core.block_manager, 4, None) is None
+    lines = [line for line in capfd.readouterr().err.splitlines() if line]
+    assert lines == [
+        "[pagoda] fallback: CUDA graph capture failed (RuntimeError: CUDA error: operation not permitted when "
+        "stream is capturing); decode steps run eagerly"
+    ]
 
 
 def test_engine_keeps_a_pad_block_past_the_block_manager(model_path):

@@ -51,9 +51,17 @@ def test_batched_greedy_equals_hf_generate(default_model_path, hf_reference):
     assert llm.engine_core.block_manager.num_free_blocks == llm.engine_core.num_blocks
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
-def test_preemption_and_chunked_prefill_keep_hf_tokens(default_model_path, hf_reference, prefix_caching, record_schedules):
+@pytest.mark.parametrize("prefix_caching, speculation", [(True, None), (False, None), (True, NGRAM)],
+                         ids=["prefix-cache", "no-prefix-cache", "prefix-cache-ngram-speculation"])
+def test_preemption_and_chunked_prefill_keep_hf_tokens(
+    default_model_path, hf_reference, prefix_caching, speculation, record_schedules
+):
+    """With speculation too (engine/spec_decode.py): drafts verified beside prefill chunks,
+    rejected ones rolled back, recomputation after preemption from the prefix cache."""
     prompts, expected = hf_reference
     # Room for the longest request plus two blocks: the eight together cannot fit, so
     # preemption must happen (with the prefix cache, recompute mostly hits it). A 64-token
@@ -61,11 +69,15 @@ def test_preemption_and_chunked_prefill_keep_hf_tokens(default_model_path, hf_re
     num_blocks = -(-(max(map(len, prompts)) + MAX_NEW_TOKENS) // 16) + 2
     llm = LLM(
         model=str(default_model_path), dtype="float32", block_size=16, enable_prefix_caching=prefix_caching,
-        num_gpu_blocks_override=num_blocks, max_num_batched_tokens=64,
+        num_gpu_blocks_override=num_blocks, max_num_batched_tokens=64, speculative_config=speculation,
     )
     core = llm.engine_core
     steps = record_schedules(core)
+    accepted = []
+    core.on_step = lambda stats: accepted.append(stats.spec_num_accepted_tokens)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS))
+    if speculation is not None:
+        assert sum(accepted) > 0, "no draft was accepted"
     assert core.scheduler.num_preemptions > 0
     assert any(partial for _, partial in steps), "no prefill was split into chunks"
     for i, (out, exp) in enumerate(zip(outs, expected)):

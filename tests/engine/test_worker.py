@@ -2,12 +2,19 @@
 and the server reading model facts through AsyncEngine, never EngineCore."""
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from engine import LLM
-from kernels.cpu_kernels import cpu_has_native_bf16
+if not torch.cuda.is_available():
+    # attention_fallback reads the Triton kernels' shapes: their module must import for the
+    # interpreter, as every other test module that imports it does here.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from engine import LLM  # noqa: E402
+from kernels.cpu_kernels import cpu_has_native_bf16  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,3 +44,53 @@ def test_server_never_reaches_into_the_engine_core():
             if isinstance(node, ast.Attribute) and node.attr == "core":
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_fallbacks_name_the_attention_shapes_the_kernels_do_not_take():
+    """On CUDA the Triton backend sends such calls to the torch reference (kernels/ops.py);
+    the start-up log says so once (Worker.fallbacks), instead of nothing per call."""
+    from engine.models.args import ModelArgs
+    from engine.worker import attention_fallback
+
+    def args(head_dim, heads, kv_heads):
+        return ModelArgs(vocab_size=8, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+
+    assert attention_fallback(args(64, 4, 2)) is None
+    assert attention_fallback(args(128, 32, 4)) is None  # GQA 8
+    assert "head_dim 16 / GQA ratio 2" in attention_fallback(args(16, 4, 2))
+    assert "head_dim 128 / GQA ratio 16" in attention_fallback(args(128, 32, 2))
+
+
+def test_fallbacks_name_quantized_linears_on_a_reference(tmp_path, monkeypatch):
+    import engine.quantization.linears as linears
+    from engine.loader import load_model
+    from engine.worker import quantized_linear_fallbacks
+    from tiny_models import make_model_folder
+
+    path = make_model_folder(tmp_path, "llama")
+    cpu = torch.device("cpu")
+    model = load_model(path, torch.float32, cpu, 64, quantization="int4")
+    assert quantized_linear_fallbacks(model, cpu) == []  # torch's int4 / int8 CPU kernels here
+    assert quantized_linear_fallbacks(model, torch.device("cuda")) == []  # the Triton kernels
+    monkeypatch.setattr(linears, "cpu_int4_mm_available", lambda: False)
+    model = load_model(path, torch.float32, cpu, 64, quantization="int4")
+    (line,) = quantized_linear_fallbacks(model, cpu)
+    assert line.startswith("8 INT4 linear(s) dequantize their weight every call")
+
+
+@pytest.mark.parametrize("gemv", ["1", "0"])
+def test_start_up_log_says_how_bf16_decode_linears_run(tiny_model_path, capfd, monkeypatch, gemv):
+    """bf16: the linears keep their dense weight for the C++ GEMV where it runs (said in
+    the linears fact); where it does not (PAGODA_CPU_GEMV=0, or no AVX512-BF16) one
+    fallback line says so."""
+    from kernels.cpu_kernels import bf16_gemv_available
+
+    monkeypatch.setenv("PAGODA_CPU_GEMV", gemv)
+    LLM(model=str(tiny_model_path), max_model_len=128, num_gpu_blocks_override=16, dtype="bfloat16")
+    log = capfd.readouterr().err
+    runs = gemv == "1" and bf16_gemv_available()
+    assert ("keep their dense weight for the AVX512-BF16 GEMV" in log) == runs
+    assert ("[pagoda] fallback: the bf16 decode GEMV is off" in log) == (not runs)

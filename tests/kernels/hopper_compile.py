@@ -47,6 +47,15 @@ ATTENTION_CASES = {
     "decode_split_bf16_d256_bs16_gqa4": (torch.bfloat16, 4, 4, 1, 4, 256, 4096, 16),
     "prefill_bf16_d256_bs16_gqa4": (torch.bfloat16, 512, 4, 1, 4, 256, 1024, 16),
 }
+# Weight-only GEMMs: (kernel, dtype, M, N, K, group size or None): the decode (split-K) and
+# prefill launch shapes of Llama-3-8B's layers; W8A16 in fp32 too (ieee dots); W4A16 with
+# GPTQ's group_size -1 (a group of all K = 14336 inputs of down_proj).
+GEMM_CASES = {
+    "w8a16_decode_bf16": ("w8a16", torch.bfloat16, 1, 4096, 14336, None),
+    "w8a16_prefill_bf16": ("w8a16", torch.bfloat16, 512, 128256, 4096, None),
+    "w8a16_decode_fp32": ("w8a16", torch.float32, 4, 4096, 4096, None),
+    "w4a16_decode_bf16_group_all": ("w4a16", torch.bfloat16, 1, 4096, 14336, 14336),
+}
 
 
 def compile_kernel(kernel, dtype: str, constexprs: dict, pointer_types: dict, num_warps: int = 4):
@@ -103,6 +112,24 @@ def main() -> dict:
             compile_kernel(_paged_attention_kernel, TRITON_TYPES[dtype], constexprs, ATTENTION_POINTERS,
                            config.num_warps),
             decode=tokens == seqs, dtype=TRITON_TYPES[dtype], num_splits=config.num_splits,
+        ))
+    from kernels.triton_w4a16 import _w4a16_config, _w4a16_kernel
+    from kernels.triton_w8a16 import _w8a16_kernel
+
+    for name, (kind, dtype, m, n, k, group) in GEMM_CASES.items():
+        config = _w4a16_config(m, n, k, 132)  # W8A16 launches with W4A16's shapes; an H200 has 132 SMs
+        split = config["SPLIT_K"]
+        constexprs = dict(HAS_BIAS=False, SPLIT_K=split, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                          **{key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
+        pointers = {"out_ptr": "*fp32" if split > 1 else "*" + TRITON_TYPES[dtype]}
+        if kind == "w8a16":
+            kernel, pointers["qweight_ptr"] = _w8a16_kernel, "*i8"
+        else:
+            kernel, pointers["qweight_ptr"], pointers["zeros_ptr"] = _w4a16_kernel, "*i32", "*u8"
+            constexprs.update(GROUP_SIZE=group, HAS_ZEROS=True)
+        attempt(name, lambda: _summary(
+            compile_kernel(kernel, TRITON_TYPES[dtype], constexprs, pointers, config["num_warps"]),
+            split_k=split,
         ))
     for splits in (2, 16):
         attempt(f"merge_{splits}", lambda: _summary(compile_kernel(

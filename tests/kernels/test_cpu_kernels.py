@@ -116,3 +116,41 @@ def test_build_names_carry_the_cpu_fingerprint():
     """A build cache carried to another CPU is rebuilt, not loaded (-march=native)."""
     module = cpu_kernels.load()
     assert cpu_kernels._cpu_fingerprint() in module.__name__
+
+
+# The bf16 small-batch GEMV (decode linears): against F.linear in float64 on the same bf16
+# inputs. Its products are exact and its sums float32, so the only error is float32
+# summation and the final bf16 rounding of each output.
+gemv = pytest.mark.skipif(not cpu_kernels.bf16_gemv_available(), reason="the CPU has no AVX512-BF16")
+
+
+@gemv
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
+@pytest.mark.parametrize("n, k", [(97, 576), (1, 64), (131, 1536), (53, 100), (7, 31)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemv_equals_float64_reference(rows, n, k, with_bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    got = cpu_kernels.bf16_linear(x, weight, bias)
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # One bf16 rounding of the exact result (2^-8 relative), plus float32 sums of k terms.
+    tol = want.abs() * 2**-8 + 1e-5 * k ** 0.5 * float(want.abs().max())
+    assert bool(((got.double() - want).abs() <= tol).all()), (got.double() - want).abs().max()
+
+
+@gemv
+def test_bf16_gemv_odd_shapes_and_thread_split():
+    """Rows beyond the 8-row block, N spanning several threads' ranges plus a remainder
+    that is no whole group of four, a strided x, and 3-D x."""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(4 * 48 + 3, 96, generator=g).bfloat16()
+    x = torch.randn(17, 192, generator=g).bfloat16()[:, ::2]  # not contiguous
+    want = torch.nn.functional.linear(x.double(), weight.double())
+    got = cpu_kernels.bf16_linear(x, weight)
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3)
+    got3 = cpu_kernels.bf16_linear(x[:16].reshape(2, 8, 96), weight)
+    assert got3.shape == (2, 8, weight.shape[0]) and torch.equal(got3.reshape(16, -1), got[:16])
+    assert cpu_kernels.bf16_linear(x[:0], weight).shape == (0, weight.shape[0])

@@ -62,3 +62,44 @@ def test_runner_packs_the_models_linears(tmp_path):
     assert decoder and all(m.packed is not None and m.weight is None for m in decoder)
     assert model.lm_head.packed is not None and model.lm_head.weight is model.model.embed_tokens.weight
     assert llm.generate(["a b"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_bf16_runner_routes_few_rows_to_the_gemv(tmp_path, monkeypatch):
+    """bf16 on a CPU with AVX512-BF16: the linears keep their dense weight for the C++
+    GEMV (up to GEMV_MAX_ROWS rows) beside the packed one; the GEMV's layer outputs equal
+    oneDNN's within bf16 rounding, and greedy decoding gives the same tokens either way."""
+    from transformers import LlamaConfig
+
+    from engine.dummy_model import write_dummy_model_folder
+    from engine.llm import LLM
+    from engine.models.llama import Linear
+    from kernels import cpu_kernels
+    from kernels.linear import GEMV_MAX_ROWS
+
+    if not cpu_kernels.bf16_gemv_available():
+        pytest.skip("the CPU has no AVX512-BF16")
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    folder = write_dummy_model_folder(tmp_path / "m", config)
+    llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16", kv_cache_memory=0.01)
+    model = llm.engine_core.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.weight is not None for m in linears)
+    assert all(m.gemv_max_rows == GEMV_MAX_ROWS for m in linears)
+    g = torch.Generator().manual_seed(0)
+    for m in linears:
+        x = torch.randn(GEMV_MAX_ROWS, m.weight.shape[1], generator=g).bfloat16()
+        got = m(x)  # the GEMV
+        want = F.linear(x.double(), m.weight.double(), None if m.bias is None else m.bias.double())
+        onednn = linear(x, m.weight, m.bias, m.packed)
+        for y in (got, onednn):
+            assert torch.allclose(y.double(), want, rtol=2**-7, atol=1e-3 * float(want.abs().max()))
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    with_gemv = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d"], params)]
+    for m in linears:
+        m.gemv_max_rows = 0  # oneDNN at every row count, as before the GEMV
+    without = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d"], params)]
+    assert with_gemv == without

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from hopper_compile import ATTENTION_CASES
+from hopper_compile import ATTENTION_CASES, GEMM_CASES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,6 +51,13 @@ def test_attention_compiles_for_hopper(compiled, name: str) -> None:
     assert r["shared"] <= 227 * 1024
     if r["decode"] and r["dtype"] != "fp32":
         assert r["async_copies"] > 0, "the decode loop's K/V loads are not pipelined"
+
+
+@pytest.mark.parametrize("name", list(GEMM_CASES))
+def test_weight_only_gemms_compile_for_hopper(compiled, name: str) -> None:
+    r = compiled[name]
+    assert r["ok"], r.get("error")
+    assert r["shared"] <= 227 * 1024
 
 
 @pytest.mark.parametrize("name", ["merge_2", "merge_16", "cache_bf16", "cache_fp16", "cache_fp32"])

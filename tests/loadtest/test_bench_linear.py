@@ -19,5 +19,5 @@ def test_bench_linear_reports_each_shape():
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     ).stdout
     rows = [line for line in out.splitlines() if line.startswith("| float32 |")]
-    assert len(rows) == 3 and not any("unavailable" in r for r in rows), out
+    assert len(rows) == 4 and not any("unavailable" in r for r in rows), out
     assert "GEMM 2048^3 float32: torch.mm (MKL)" in out

@@ -59,6 +59,15 @@ def test_chat_dataset_is_distinct_conversations():
     assert len({r.messages[0]["content"] for r in requests}) == 200  # past the 192 pairs too
 
 
+def test_grounded_dataset_asks_for_answers_that_quote_the_input():
+    requests = build_dataset(DatasetSpec("grounded"), 40, seed=0)
+    contents = [r.messages[0]["content"] for r in requests]
+    assert all(r.is_chat and r.max_tokens == 128 for r in requests)
+    assert any("word for word" in c for c in contents) and any("```python" in c for c in contents)
+    assert len(set(contents)) == 40  # 16 passages x 4 + 3 snippets x 3 tasks before repeats
+    assert build_dataset(DatasetSpec("grounded"), 40, seed=0) == requests
+
+
 def test_jsonl_dataset(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "Hello", "max_tokens": 5}\n\n{"messages": [{"role": "user", "content": "Hi"}]}\n')

@@ -35,6 +35,10 @@ CASES = [
     (64, 129, 192, 64, "prefill-splitk"),
     (65, 127, 64, 32, "prefill"),
     (130, 33, 256, 128, "prefill"),
+    # Group sizes past the 128-wide K block: 256, and AutoGPTQ's -1 (one group per row: G = K,
+    # here 192, not a power of two).
+    (3, 40, 512, 256, "decode-splitk"),
+    (2, 24, 192, 192, "decode-splitk"),
 ]
 IDS = [f"{m}x{n}x{k}-g{g}-{path}" for m, n, k, g, path in CASES]
 
@@ -87,7 +91,9 @@ def test_cuda_16bit_matches_reference(m: int, n: int, k: int, group: int, path: 
 def test_rejects_bad_group() -> None:
     x, qweight, scales, zeros, _ = _inputs(1, 32, 64, 32, True)
     with pytest.raises(ValueError, match="group_size"):
-        w4a16_linear(x, qweight, scales, zeros, 48)
+        w4a16_linear(x, qweight, scales, zeros, 48)  # does not divide K = 64
+    with pytest.raises(ValueError, match="group_size"):
+        w4a16_linear(x, qweight, scales, zeros, 12)  # not a multiple of 8
 
 
 def test_rejects_bad_bias() -> None:

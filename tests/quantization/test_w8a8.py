@@ -1,12 +1,21 @@
-"""W8A8: the runtime linear (engine/quantization/linears.py), SmoothQuant (w8a8.py), and the converted model."""
+"""W8A8: the runtime linear (engine/quantization/linears.py), SmoothQuant (w8a8.py), and the converted model.
+
+The model tests use a tiny random Llama made here (transformers' init, head_dim 64: a shape
+the Triton kernels take) with a word-level tokenizer over the built-in calibration text's
+commonest words, so calibration sees real text statistics and nothing needs the bundled
+model's packages (the GPU machine has neither them nor a network). Only the real model's
+agreement test (slow tier) runs the bundled model.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import make_model_folder, prompts
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
@@ -21,6 +30,35 @@ from kernels.quant_linear import cpu_int_mm_available, w8a8_linear
 from kernels.quant_reference import quantize_per_token_ref, w8a8_linear_ref
 
 CPU = torch.device("cpu")
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path(tmp_path_factory) -> Path:
+    """2 layers, hidden 64, 4 query heads on 2 KV heads of 64 dims, tied embeddings, the
+    default init scale (0.02); tokenizer: '<unk>', '<s>', '</s>' and the 509 commonest words
+    of the calibration text, split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.quantization.calibration import calibration_text
+
+    path = make_model_folder(tmp_path_factory.mktemp("tiny-llama-w8a8"), "llama", initializer_range=0.02)
+    words = [w for w, _ in Counter(calibration_text("calib").split()).most_common(VOCAB - 3)]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
+    ).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sharp_model_path(tmp_path_factory) -> Path:
+    """tests/tiny_models.py's Llama (head_dim 64, weights at 10x the default scale): greedy
+    tokens that change when attention or a GEMM is wrong (at 0.02 it repeats one token)."""
+    return make_model_folder(tmp_path_factory.mktemp("tiny-llama-sharp"), "llama")
 
 
 def all_logits(model, sequences: torch.Tensor) -> torch.Tensor:
@@ -110,7 +148,7 @@ def test_smoothing_reduces_w8a8_error_on_outlier_channels(alpha: float) -> None:
 def test_smoothed_float_model_computes_the_same_function(tiny_model_path: Path) -> None:
     ref = load_model(tiny_model_path, torch.float32, CPU, 128)
     model = load_model(tiny_model_path, torch.float32, CPU, 128)
-    seqs = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    seqs = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(3)
     stats = {}
     for name in smoothable_linears(model):  # synthetic statistics with outlier channels: large s
@@ -136,7 +174,7 @@ def test_converted_model_holds_int8_and_stays_close(tiny_model_path: Path) -> No
     assert len(decoder) == 2 * 4 and all(isinstance(m, W8A8Linear) for m in decoder)
     assert all(m.qweight.dtype == torch.int8 and m.weight_scale.dtype == torch.float32 for m in decoder)
     assert isinstance(model.lm_head, Int8Linear) and model.model.embed_tokens.weight.dtype == torch.float32
-    seqs = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    seqs = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     expected, got = all_logits(ref, seqs), all_logits(model, seqs)
     assert ((got - expected).norm() / expected.norm()) < 0.03
 
@@ -153,18 +191,42 @@ def test_cuda_w8a8_linear_runs_the_triton_kernels() -> None:
     assert torch.equal(module(x), expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("method", ["w8a8", "int4"])
-def test_cuda_engine_generates_with_triton_quantized_linears(tiny_model_path: Path, method: str) -> None:
+def _greedy_tokens(path: Path, method: str, device: str, **engine_args) -> tuple[LLM, list[list[int]]]:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm = LLM(model=str(tiny_model_path), quantization=method, device="cuda", kv_cache_memory=0.05)
-    assert len(llm.generate(["Hello"], params)[0].outputs[0].token_ids) == 8
+    llm = LLM(model=str(path), quantization=method, lm_head_quantization="int8", device=device, dtype="float32",
+              max_model_len=128, kv_cache_memory=0.05, **engine_args)
+    return llm, [out.outputs[0].token_ids for out in llm.generate(prompts((1, 23, 61), seed=2), params)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["w8a8", "int4", "int8"])
+def test_cuda_engine_with_triton_quantized_linears_equals_the_reference(
+    sharp_model_path: Path, method: str, monkeypatch
+) -> None:
+    """The CUDA engine (Triton attention, CUDA graphs, the Triton W8A8 / W4A16 / W8A16 GEMMs
+    and the INT8 head through W8A16) gives the greedy tokens of the same quantized model on
+    the CPU with every reference op: the torch attention and the dequantizing (or float64,
+    exact-integer W8A8) GEMMs in float32."""
+    import engine.quantization.linears as linears
+    import kernels.quant_linear as quant_linear
+
+    llm, got = _greedy_tokens(sharp_model_path, method, "cuda")
+    core = llm.engine_core
+    assert core.ops.backend == "triton" and core.runner.decode_graphs is not None
+    assert core.worker.fallbacks() == []
+    # The CPU reference: no bf16-rounding CPU kernels, the references' float32 (W8A8: exact ints).
+    for module in (linears, quant_linear):
+        monkeypatch.setattr(module, "cpu_int8_mm_available", lambda: False)
+    monkeypatch.setattr(linears, "cpu_int4_mm_available", lambda: False)
+    _, expected = _greedy_tokens(sharp_model_path, method, "cpu", kernel_backend="torch")
+    assert got == expected
+    assert len({t for tokens in expected for t in tokens}) > 6  # not one repeated token
 
 
 def test_config_and_engine_accept_w8a8(tiny_model_path: Path) -> None:
     assert ModelConfig(quantization="w8a8").quantization == "w8a8"
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    out = LLM(model=str(tiny_model_path), quantization="w8a8", kv_cache_memory=0.05).generate(["Hello"], params)
+    out = LLM(model=str(tiny_model_path), quantization="w8a8", kv_cache_memory=0.05).generate(["the"], params)
     assert len(out[0].outputs[0].token_ids) == 8
 
 

@@ -257,7 +257,7 @@ def test_noop_fields_accepted(parse):
     (comp, {"max_completion_tokens": 4}, "max_completion_tokens"),
     (comp, {"use_beam_search": True}, "use_beam_search"),
     (comp, {"length_penalty": 0.5}, "length_penalty"),
-    (comp, {"priority": 1}, "priority"),
+    (comp, {"priority": 5000}, "priority"),  # outside [-1000, 1000]
     (comp, {"suffix": "end"}, "suffix"),
     (comp, {"best_of": 2, "n": 3}, "best_of"),
     (comp, {"best_of": 2, "stream": True}, "best_of"),

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.testclient import TestClient
 
 from server.app import APIKeyMiddleware
+from server.tenants import KeyRegistry
 from server.errors import InvalidRequestError, NotFoundError, to_api_error
 from server.protocol_responses import ResponsesRequest, chat_messages, responses_param
 from server.response_store import ANONYMOUS, ResponseStore, StoredResponse, key_owner
@@ -114,7 +115,7 @@ def test_the_api_key_middleware_records_the_owner():
     async def app(scope, receive, send):
         await JSONResponse({"owner": scope.get("state", {}).get(OWNER_STATE)})(scope, receive, send)
 
-    client = TestClient(APIKeyMiddleware(app, "alice-key"))
+    client = TestClient(APIKeyMiddleware(app, KeyRegistry(api_key="alice-key")))
     assert client.get("/x", headers={"Authorization": "Bearer alice-key"}).json() == {"owner": key_owner("alice-key")}
     assert client.get("/x", headers={"Authorization": "Bearer bob-key"}).status_code == 401
     assert request_owner(SimpleNamespace(scope={"type": "http"})) == ANONYMOUS

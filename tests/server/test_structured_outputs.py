@@ -73,7 +73,7 @@ async def _all_outputs(make_client, model_name) -> dict[tuple[str, str], list]:
             model=model_name, messages=_messages(name), response_format=fmt, max_tokens=MAX_TOKENS, temperature=0)
         jobs[(name, "sampled")] = client.chat.completions.create(
             model=model_name, messages=_messages(name), response_format=fmt, max_tokens=MAX_TOKENS,
-            temperature=1.0, n=3, seed=7)
+            temperature=1.0, n=3, seed=4)
     results = await asyncio.gather(*jobs.values())
     await client.close()
     return dict(zip(jobs, results))

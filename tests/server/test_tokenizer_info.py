@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from server.app import OPEN_PATHS, APIKeyMiddleware
+from server.tenants import KeyRegistry
 from server.tokenizer_info import tokenizer_config
 
 
@@ -114,7 +115,7 @@ def test_behind_the_api_key():
     async def receive():
         return {"type": "http.request", "body": b""}
 
-    middleware = APIKeyMiddleware(app, "secret")
+    middleware = APIKeyMiddleware(app, KeyRegistry(api_key="secret"))
     scope = {"type": "http", "path": "/tokenizer_info", "method": "GET", "headers": []}
     asyncio.run(middleware(scope, receive, send))
     assert sent[0]["status"] == 401 and "app" not in sent
