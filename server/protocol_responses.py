@@ -212,6 +212,9 @@ class ResponsesRequest(_Request):
     stream: bool | None = False
     metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA_PAIRS)] | None = None
     user: str | None = None
+    priority: int | None = Field(None, ge=-1000, le=1000)
+    """vLLM's scheduling priority, as on the chat and completions endpoints (lower first;
+    with a named API key, no lower than the key's priority)."""
     # Accepted no-ops (see the class docstring).
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     safety_identifier: str | None = None
@@ -295,6 +298,7 @@ class ResponsesRequest(_Request):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
+            "priority": self.priority,
         }
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

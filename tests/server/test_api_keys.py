@@ -114,6 +114,11 @@ def test_hashed_key_and_the_priority_it_allows(url, model, helpers):
     chat = httpx.post(f"{url}/v1/chat/completions", headers=_auth("open-key"), timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "priority": 1})
     assert chat.status_code == 200, chat.text
+    # the Responses API takes the same field, within the same bounds
+    responses = [httpx.post(f"{url}/v1/responses", headers=_auth(HASHED_KEY), timeout=60, json={
+        "model": model, "input": "hi", "max_output_tokens": 1, "priority": p}) for p in (3, 1)]
+    assert responses[0].status_code == 200, responses[0].text
+    assert responses[1].status_code == 400 and helpers.assert_error_envelope(responses[1].json())["param"] == "priority"
 
 
 def test_requests_per_minute_429_then_the_sdk_retry_succeeds(url, model, helpers):
@@ -202,6 +207,35 @@ def test_per_key_metrics_carry_names_never_keys(url, model, helpers):
     assert metrics["pagoda:tenant_generation_tokens_total"] >= 100
     assert metrics["pagoda:tenant_time_to_first_token_seconds_count"] >= 30
     assert 'tenant="rpm"' in text and 'limit="requests"' in text and 'limit="tokens"' in text
+
+
+def test_bad_input_and_aborted_streams_with_keys_on_get_4xx_and_leak_nothing(url, model, helpers):
+    """Keys on change nothing about bad input (a clear 4xx, never a 500) or aborts (every
+    KV block back); the key's concurrency count is released by both."""
+    bad = [
+        ("/v1/completions", b'{"model": "m", "prompt": '),  # truncated JSON
+        ("/v1/completions", {"model": model, "prompt": 5}),
+        ("/v1/completions", {"model": model, "prompt": "x", "max_tokens": -1}),
+        ("/v1/completions", {"model": model, "prompt": "x", "temperature": "hot"}),
+        ("/v1/completions", {"model": model, "prompt": "x " * 2000}),  # past --max-model-len 512
+        ("/v1/completions", {"model": model, "prompt": "x", "priority": 10**6}),
+        ("/v1/chat/completions", {"model": model, "messages": []}),
+        ("/v1/responses", {"model": model, "input": 7}),
+    ]
+    for path, body in bad:
+        for key in ("open-key", "conc-key"):
+            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            r = httpx.post(f"{url}{path}", headers=_auth(key), timeout=60, **kw)
+            assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
+            helpers.assert_error_envelope(r.json())
+    body = {"model": model, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    for _ in range(3):
+        with httpx.stream("POST", f"{url}/v1/completions", headers=_auth("open-key"), json=body, timeout=60) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data:"))  # then the client goes away
+    assert helpers.idle(helpers.wait_idle(url)), "KV blocks still in use after the aborted streams"
+    # conc-key's one slot was given back by its refused requests
+    assert _complete(url, model, "conc-key").status_code == 200
 
 
 def test_sighup_reload_adds_and_removes_keys_while_a_removed_keys_stream_finishes(
