@@ -7,8 +7,8 @@ thread, once the weight is reordered into its blocked layout. `pack_weight` make
 copy once, at engine start; `linear` uses it when given. `python -m loadtest.bench_linear`
 measures both paths per call on the default model's shapes (figures: docs/BENCHMARKS.md).
 
-bf16 on a CPU with AVX512-BF16: up to `GEMV_MAX_ROWS` rows (decode batches of 1-3
-sequences; a ~5-row speculative verification chunk stays on oneDNN) a linear runs the
+bf16 on a CPU with AVX512-BF16: up to `GEMV_MAX_ROWS` rows (decode batches of 1-8
+sequences, speculative verification chunks of 1 + k rows) a linear runs the
 C++ GEMV on the dense weight instead (`cpu_kernels.bf16_linear`: it streams the weight
 at close to copy bandwidth, 1.5-2x oneDNN's 1-row bf16 GEMV rate here), so such a layer
 holds both the dense and the packed weight (`engine/models/llama.py` `prepack_linears`;
@@ -35,10 +35,11 @@ SMALL_BATCH_ROWS = 32
 PACK_BATCH_HINT = 64
 # Up to this many rows a bf16 linear runs the C++ AVX512-BF16 GEMV on the dense weight,
 # above it oneDNN's packed GEMM. Measured per call (`python -m loadtest.bench_linear`,
-# docs/BENCHMARKS.md), one thread: 1.5-2x oneDNN at 1-2 rows, 1.1-1.5x at 3, level at 4
-# (oneDNN's few-row kernel streams well from 3-4 rows on; its 1-row one does not),
-# behind from 5; two threads: 1.1-1.5x at 1 row, 0.9-1.2x at 3, behind from 4.
-GEMV_MAX_ROWS = 3
+# docs/BENCHMARKS.md), two threads: 1.3-1.8x oneDNN at 1 row, about level at 4-8 rows on
+# the decoder's shapes (5-8 rows take one pass over W, the kernel's wide path), so decode
+# batches of up to 8 and speculative verification chunks (1 + k rows) take it; beyond 8
+# oneDNN's GEMM is ahead.
+GEMV_MAX_ROWS = 8
 
 
 def gemv_enabled() -> bool:

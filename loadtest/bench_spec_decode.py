@@ -15,9 +15,11 @@ n-grams 2..4). Each runs the same three workloads, greedy:
 - `random @N`: the same at `--streams` concurrent streams, past the speculative config's
   `disable_by_batch_size` (speculation switches itself off).
 
-Reported per workload: output tokens per second (all output tokens / wall time), the ratio
-on / off measured in this run, and the acceptance rate (accepted / draft tokens) from the
-server's own `pagoda:spec_decode_*` counters.
+Reported per workload: output tokens per second (all output tokens / wall time, prefill
+included), the ratio on / off measured in this run, the median time per output token after
+the first (TPOT: the decode speed speculation changes; TPOT ratio = off / on) and time to
+first token (which it does not), and the acceptance rate (accepted / draft tokens) from
+the server's own `pagoda:spec_decode_*` counters.
 """
 
 from __future__ import annotations
@@ -62,8 +64,12 @@ async def run_workload(url: str, requests: list[BenchRequest], concurrency: int,
     if failed:
         raise RuntimeError(f"{len(failed)} request(s) failed, e.g. {failed[0]}")
     tokens = sum(r.output_tokens for r in results)
+    tpots = sorted(r.tpot_s for r in results if r.tpot_s is not None)
+    ttfts = sorted(r.ttft_s for r in results if r.ttft_s is not None)
     return {"requests": len(results), "output_tokens": tokens, "wall_s": round(wall, 2),
-            "tok_s": round(tokens / wall, 2)}
+            "tok_s": round(tokens / wall, 2),
+            "median_tpot_ms": round(1000 * tpots[len(tpots) // 2], 2) if tpots else None,
+            "median_ttft_ms": round(1000 * ttfts[len(ttfts) // 2], 1) if ttfts else None}
 
 
 def spec_counters(url: str) -> tuple[float, float]:
@@ -131,13 +137,16 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
 
     print(f"speculative config: `{ns.speculative_config}`\n")
-    print("| workload | tok/s off | tok/s on | on / off | acceptance rate (on) | draft tokens (on) |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | tok/s off | tok/s on | on / off | median TPOT ms off / on | TPOT ratio | median TTFT ms off / on "
+          "| acceptance rate (on) | draft tokens (on) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, *_ in workloads:
         off, on = runs["off"][name], runs["on"][name]
         acceptance = "-" if on["acceptance"] is None else f"{on['acceptance']:.0%}"
-        print(f"| {name} | {off['tok_s']} | {on['tok_s']} | {on['tok_s'] / off['tok_s']:.2f}x | {acceptance} | "
-              f"{int(on['draft_tokens'])} |")
+        tpot_ratio = f"{off['median_tpot_ms'] / on['median_tpot_ms']:.2f}x" if on["median_tpot_ms"] else "-"
+        print(f"| {name} | {off['tok_s']} | {on['tok_s']} | {on['tok_s'] / off['tok_s']:.2f}x | "
+              f"{off['median_tpot_ms']} / {on['median_tpot_ms']} | {tpot_ratio} | "
+              f"{off['median_ttft_ms']} / {on['median_ttft_ms']} | {acceptance} | {int(on['draft_tokens'])} |")
     if ns.json:
         ns.json.write_text(json.dumps({"speculative_config": ns.speculative_config, "runs": runs}, indent=2))
     return 0

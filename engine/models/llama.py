@@ -126,8 +126,8 @@ def prepack_linears(model: nn.Module) -> tuple[int, int]:
     larger ones (prefill, big decode batches) keep oneDNN's faster packed GEMM: +1x the
     decoder's linear weights in memory (+212 MB for SmolLM2-135M in bf16; a tied head's
     dense table exists anyway). One copy would cost one of the two: the dense weight
-    through F.linear is 1.2-2x slower than packed at 4-32 rows, and the GEMV is level with
-    oneDNN at 4 rows (docs/BENCHMARKS.md). `PAGODA_CPU_GEMV=0` keeps one copy.
+    through F.linear is 1.2-2x slower than packed at 4-32 rows, and the GEMV is only level
+    with oneDNN at 4-8 rows (docs/BENCHMARKS.md). `PAGODA_CPU_GEMV=0` keeps one copy.
     Returns how many were packed (none off the CPU: `pack_weight` takes CPU weights only)
     and how many of those keep a dense weight because it is shared."""
     # By storage, not by Parameter: tensor parallelism re-wraps the tied table's data.

@@ -516,8 +516,10 @@ namespace {
 // stream is what the hardware prefetcher follows best: reading R rows side by side (R
 // streams, K apart) measured at half the rate (~11 vs ~25 GB/s on one core), the same as
 // oneDNN's. x's rows (tiny, L1-resident) are loaded as vectors. The R rows' accumulators
-// are reduced horizontally together at the end of the group (`reduce4`). More than 4 x
-// rows: blocks of up to 4 per group of W rows, the later blocks reading them from L1.
+// are reduced horizontally together at the end of the group (`reduce4`). 5-8 x rows (a
+// speculative verification chunk, a decode batch of up to 8): every x row against one W
+// row at a time (`gemv_wide`), W read once. More than 8: blocks of up to 4 per group of W
+// rows, the later blocks reading them from L1.
 // K need not be a multiple of 32: the tail is a masked load of W and x (zeros add nothing).
 // vdpbf16ps multiplies bf16 pairs exactly and sums in float32; each output is rounded
 // to bf16 once, after the bias add in float.
@@ -604,6 +606,18 @@ inline void gemv_block(int64_t mb, const uint16_t* x, const uint16_t* w, const u
   }
 }
 
+// Outputs [n, n + 1) of x rows [0, mb), mb in 5..8: one pass over the W row for all of
+// them (16 accumulators: 8 rows x 2 chains), where blocks of four would read it twice.
+inline void gemv_wide(int64_t mb, const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t K,
+                      int64_t N, int64_t n) {
+  switch (mb) {
+    case 5: gemv_rows<5, 1>(x, w, bias, y, K, N, n); break;
+    case 6: gemv_rows<6, 1>(x, w, bias, y, K, N, n); break;
+    case 7: gemv_rows<7, 1>(x, w, bias, y, K, N, n); break;
+    default: gemv_rows<8, 1>(x, w, bias, y, K, N, n); break;
+  }
+}
+
 void bf16_gemv_impl(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
                     int64_t N) {
   // Contiguous output-row ranges per thread, in multiples of 48 rows (whole groups of
@@ -620,6 +634,9 @@ void bf16_gemv_impl(const uint16_t* x, const uint16_t* w, const uint16_t* bias, 
     // every block of up to four x rows: the first block reads the rows from memory, the
     // next ones find them in L1 (4 rows of K bf16), so W is streamed once for any M.
     int64_t n = n_lo;
+    if (M >= 5 && M <= 8) {  // a speculative verification chunk: every x row per W row, W once
+      for (; n < n_hi; ++n) gemv_wide(M, x, w, bias, y, K, N, n);
+    }
     for (; n + 4 <= n_hi; n += 4)
       for (int64_t m0 = 0; m0 < M; m0 += 4) gemv_block<4>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
     for (; n < n_hi; ++n)
