@@ -18,6 +18,7 @@ SLOW_TESTS = {
     "tests/kernels/test_kernel_dispatch.py::test_import_is_cheap_and_the_interpreter_can_be_switched_on_late":
         "fresh interpreters",
     "tests/engine/test_tensor_parallel.py::test_tp2_equals_tp1_for_other_architectures": "spawns a worker rank per case",
+    "tests/engine/test_spec_decode.py::test_tensor_parallel_ranks_run_the_verification_chunks": "spawns a worker rank",
     "tests/engine/test_cuda_graphs.py::test_padded_decode_equals_hf_with_preemption_chunked_prefill_and_shrinking_batches":
         "long generations, on the Triton interpreter too",
     "tests/quantization/test_quantize.py::test_cli_writes_a_folder_and_rejects_bad_combinations": "`pagoda quantize` twice",

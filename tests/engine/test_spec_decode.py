@@ -362,3 +362,24 @@ def test_grammar_requests_speculate_within_the_grammar_and_keep_their_output(tin
     for text in with_spec + [c.text for o in sampled for c in o.outputs]:
         assert re.fullmatch(pattern, text), text
     assert core.block_manager.num_free_blocks == core.num_blocks and not core.requests
+
+
+def test_tensor_parallel_ranks_run_the_verification_chunks(tiny_llama, monkeypatch):
+    """Two ranks: rank 0 proposes and schedules, every rank runs the verification chunks;
+    the tokens are transformers' greedy ones."""
+    from engine import LLM, SamplingParams
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two ranks on two cores (the worker reads it)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    prompts = _repetitive_prompts()
+    llm = LLM(model=str(tiny_llama), dtype="float32", kernel_backend="torch", tensor_parallel_size=2,
+              speculative_config=SPEC)
+    try:
+        counts = _spec_counts(llm.engine_core)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    finally:
+        llm.shutdown()
+        torch.set_num_threads(threads)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 24)
+    assert counts["accepted"] > 0, counts
