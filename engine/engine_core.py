@@ -527,12 +527,9 @@ def _sampler_rows(sampling: list[Request], spec_tokens: dict[str, list[int]]) ->
     1 + k rows, row j seeing the first j drafts as output (engine/spec_decode.py)."""
     rows: list = []
     for request in sampling:
-        drafts = spec_tokens.get(request.request_id)
-        if drafts:
-            rows.append(request)
-            rows.extend(DraftRow(request, drafts[:j]) for j in range(1, len(drafts) + 1))
-        else:
-            rows.append(request)
+        rows.append(request)
+        drafts = spec_tokens.get(request.request_id, ())
+        rows.extend(DraftRow(request, drafts[:j]) for j in range(1, len(drafts) + 1))
     return rows
 
 

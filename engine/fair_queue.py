@@ -134,10 +134,16 @@ class FairQueue:
 
     def charge(self, tenant: str | None, num_tokens: int) -> None:
         """Record that the engine computed `num_tokens` tokens for `tenant` this step."""
-        if not self.enabled or num_tokens <= 0:
+        self.charge_all({tenant: num_tokens})
+
+    def charge_all(self, tokens_by_tenant: dict[str | None, int]) -> None:
+        """`charge` for several tenants at once: one decay for the whole step's batch."""
+        if not self.enabled or not tokens_by_tenant:
             return
         self._decay()
-        self._usage[tenant] = self._usage.get(tenant, 0.0) + num_tokens
+        for tenant, num_tokens in tokens_by_tenant.items():
+            if num_tokens > 0:
+                self._usage[tenant] = self._usage.get(tenant, 0.0) + num_tokens
 
     def rank(self, request: Request) -> tuple[int, float]:
         """Where `request` stands in the order (smaller is served first): (priority,

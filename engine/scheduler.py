@@ -121,8 +121,11 @@ class Scheduler:
             i += 1
 
         # The running requests' tokens count towards their tenants' use (fair_queue.py).
-        for request, n in zip(out.scheduled, out.num_scheduled_tokens):
-            self.waiting.charge(request.tenant, n)
+        if self.waiting.enabled:
+            step_tokens: dict[str | None, int] = {}
+            for request, n in zip(out.scheduled, out.num_scheduled_tokens):
+                step_tokens[request.tenant] = step_tokens.get(request.tenant, 0) + n
+            self.waiting.charge_all(step_tokens)
         # A step that had to preempt admits nobody: the memory is not there.
         parked: list[Request] = []
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
