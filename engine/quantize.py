@@ -19,6 +19,9 @@ text (quantization/calibration.py), recorded in `quantization_config["quantizer"
 uses none and records none. The folder gets config.json (+ quantization_config), one
 model.safetensors, and the tokenizer / generation files of the source.
 
+What to do is one `QuantizeRecipe` (method, bits, group size, calibration size, act-order),
+checked when it is built: `quantize_checkpoint(model_dir, out_dir, recipe)`.
+
 Progress goes to `log` (stderr by default): each phase, and for AWQ and GPTQ each decoder
 layer with the time so far and an estimate of the time left (minutes on CPU).
 
@@ -34,6 +37,7 @@ import math
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from functools import reduce
 from pathlib import Path
 from typing import Callable
@@ -71,6 +75,47 @@ def layout_of(method: str, bits: int) -> str:
     if method == "w8a8":
         return "w8a8"
     return "int8" if bits == 8 else ("gptq" if method == "gptq" else "awq")
+
+
+@dataclass(frozen=True)
+class QuantizeRecipe:
+    """What `pagoda quantize` does to a float checkpoint; the flags of the subcommand, checked once.
+
+    method         "rtn", "awq", "gptq" or "w8a8" (the table above). "awq" and "gptq" are the
+                   algorithms of AutoAWQ and AutoGPTQ, and write their formats, which vLLM also loads.
+    bits           weight bits: 4 or 8, as the method allows (AutoGPTQ `bits`, AutoAWQ `w_bit`).
+    group_size     input columns that share one scale / zero point at 4 bits (AutoGPTQ and vLLM
+                   `group_size`, AutoAWQ `q_group_size`); smaller is more accurate and larger on
+                   disk. A request, not a promise: `checkpoint_group_size` falls back to 64 or 32
+                   when it does not divide every linear's input features. Unused at 8 bits.
+    calib_samples  calibration sequences of the built-in text that awq, gptq and w8a8 run through
+                   the model (AutoAWQ `max_calib_samples`, the examples given to AutoGPTQ);
+                   more gives better activation statistics and takes longer. RTN uses none.
+    seq_len        tokens in each calibration sequence (AutoAWQ `max_calib_seq_len`; the CLI's
+                   --calib-seq-len), also the maximum length the float model is loaded with.
+    act_order      GPTQ only: quantize columns by decreasing Hessian diagonal, which is more
+                   accurate (AutoGPTQ and vLLM `desc_act`; the CLI's --act-order).
+
+    Building one raises ValueError (the message the CLI prints) for a method it does not know,
+    bits the method does not support, or act_order with a method other than gptq.
+    """
+
+    method: str
+    bits: int
+    group_size: int = 128
+    calib_samples: int = 64
+    seq_len: int = 256
+    act_order: bool = False
+
+    def __post_init__(self) -> None:
+        layout_of(self.method, self.bits)  # ValueError for a bad method or method / bits pair
+        if self.act_order and self.method != "gptq":
+            raise ValueError("--act-order is a GPTQ option")
+
+    @property
+    def layout(self) -> str:
+        """The checkpoint layout written (`layout_of`): "int8", "awq", "gptq" or "w8a8"."""
+        return layout_of(self.method, self.bits)
 
 
 def decoder_linear_names(model: LlamaForCausalLM) -> list[str]:
@@ -116,27 +161,23 @@ class LayerProgress:
 def quantize_linears(
     model: LlamaForCausalLM,
     tokenizer,
-    method: str,
-    bits: int,
-    group_size: int = 128,
-    calib_samples: int = 64,
-    seq_len: int = 256,
-    act_order: bool = False,
+    recipe: QuantizeRecipe,
     log: Callable[[str], None] = log_stderr,
 ) -> dict[str, QuantizedLinear]:
     """{module name: QuantizedLinear} of every decoder linear (and, at 8 bits, the LM head).
     The float model is modified in place (folded scales; fake-quantized weights)."""
-    layout = layout_of(method, bits)
+    method, bits, layout = recipe.method, recipe.bits, recipe.layout
+    calib_samples, seq_len = recipe.calib_samples, recipe.seq_len
     names = decoder_linear_names(model)
     if method in CALIBRATED:
         sequences = calibration_token_ids(tokenizer, calib_samples, seq_len)
         log(f"{method}: calibrating on {calib_samples} x {seq_len} tokens of the built-in text")
     if bits == 4:
-        group = checkpoint_group_size(model, group_size)
+        group = checkpoint_group_size(model, recipe.group_size)
         if method == "awq":
             return awq_quantize_model(model, sequences, 4, group, on_layer=LayerProgress("awq", log))
         if method == "gptq":
-            return gptq_quantize_model(model, sequences, 4, group, symmetric=False, act_order=act_order,
+            return gptq_quantize_model(model, sequences, 4, group, symmetric=False, act_order=recipe.act_order,
                                        on_layer=LayerProgress("gptq", log))
         results = {}
         for name in names:
@@ -204,34 +245,28 @@ def write_checkpoint(
 def quantize_checkpoint(
     model_dir: Path,
     out_dir: Path,
-    method: str,
-    bits: int,
-    group_size: int = 128,
-    calib_samples: int = 64,
-    seq_len: int = 256,
-    act_order: bool = False,
+    recipe: QuantizeRecipe,
     log: Callable[[str], None] = log_stderr,
 ) -> dict:
-    """Quantize the float folder `model_dir` into `out_dir`; returns the written quantization_config."""
+    """Quantize the float folder `model_dir` into `out_dir` as `recipe` says; returns the
+    written quantization_config."""
     from transformers import AutoTokenizer
 
-    layout = layout_of(method, bits)
-    if act_order and method != "gptq":
-        raise ValueError("--act-order is a GPTQ option")
+    method, bits = recipe.method, recipe.bits
     if out_dir.resolve() == model_dir.resolve():
         raise ValueError("--out must differ from --model")
     start = time.monotonic()
     log(f"quantize: loading {model_dir}")
-    model = load_model(model_dir, torch.float32, torch.device("cpu"), seq_len)
+    model = load_model(model_dir, torch.float32, torch.device("cpu"), recipe.seq_len)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    group = checkpoint_group_size(model, group_size) if bits == 4 else None
-    config = quantization_config(layout, bits, group, sym=False, desc_act=act_order)
+    group = checkpoint_group_size(model, recipe.group_size) if bits == 4 else None
+    config = quantization_config(recipe.layout, bits, group, sym=False, desc_act=recipe.act_order)
     spec = parse_quantization_config(config)
     config["quantizer"] = {"tool": "pagoda", "method": method}
     if method in CALIBRATED:  # RTN uses no calibration text: it records none
-        config["quantizer"] |= {"calib_samples": calib_samples, "seq_len": seq_len}
+        config["quantizer"] |= {"calib_samples": recipe.calib_samples, "seq_len": recipe.seq_len}
     log(f"quantize: {method} {bits}-bit of {model.args.num_hidden_layers} decoder layers")
-    results = quantize_linears(model, tokenizer, method, bits, group_size, calib_samples, seq_len, act_order, log)
+    results = quantize_linears(model, tokenizer, recipe, log)
     log(f"quantize: writing {out_dir}")
     write_checkpoint(model, results, spec, config, model_dir, out_dir)
     log(f"quantize: done in {format_seconds(time.monotonic() - start)}")

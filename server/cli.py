@@ -286,13 +286,12 @@ def run_generate(ns: argparse.Namespace, prompts: list[str], chat: bool, max_tok
 # ---- quantize --------------------------------------------------------------------------------------
 def run_quantize(ns: argparse.Namespace) -> int:
     from engine.default_model import resolve_model_path
-    from engine.quantize import quantize_checkpoint
+    from engine.quantize import QuantizeRecipe, quantize_checkpoint
 
     try:
-        config = quantize_checkpoint(
-            resolve_model_path(ns.model), Path(ns.out), ns.method, ns.bits, ns.group_size,
-            ns.calib_samples, ns.calib_seq_len, ns.act_order,
-        )
+        model_dir = resolve_model_path(ns.model)  # (before the recipe, as before: its errors first)
+        recipe = QuantizeRecipe(ns.method, ns.bits, ns.group_size, ns.calib_samples, ns.calib_seq_len, ns.act_order)
+        config = quantize_checkpoint(model_dir, Path(ns.out), recipe)
     except (ValueError, FileNotFoundError) as e:
         print(f"pagoda: error: {e}", file=sys.stderr)
         return 2

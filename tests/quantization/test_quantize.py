@@ -3,6 +3,7 @@ loads into the same model as quantizing in memory, and serves."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -21,7 +22,14 @@ from engine.quantization.calibration import LayerwiseCalibration
 from engine.quantization.linears import Int4Linear, Int8Linear, PermutedInputLinear, W8A8Linear
 from engine.quantization.w8a8 import quantize_model_w8a8
 from engine.quantization.weights import replace_linears
-from engine.quantize import LayerProgress, checkpoint_group_size, layout_of, quantize_checkpoint, quantize_linears
+from engine.quantize import (
+    LayerProgress,
+    QuantizeRecipe,
+    checkpoint_group_size,
+    layout_of,
+    quantize_checkpoint,
+    quantize_linears,
+)
 
 CPU = torch.device("cpu")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +55,20 @@ def test_method_bits_and_group_size_rules(tiny_model_path: Path) -> None:
     assert checkpoint_group_size(model, 32) == 32
 
 
+def test_recipe_is_checked_when_built() -> None:
+    recipe = QuantizeRecipe("gptq", 4, act_order=True)
+    assert (recipe.layout, recipe.group_size, recipe.calib_samples, recipe.seq_len) == ("gptq", 128, 64, 256)
+    assert QuantizeRecipe("rtn", 8).layout == "int8"
+    with pytest.raises(ValueError, match="^--act-order is a GPTQ option$"):
+        QuantizeRecipe("awq", 4, act_order=True)
+    with pytest.raises(ValueError, match="--method awq supports --bits 4, got 8"):
+        QuantizeRecipe("awq", 8)
+    with pytest.raises(ValueError, match="method must be one of"):
+        QuantizeRecipe("smoothquant", 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe.bits = 8  # type: ignore[misc]
+
+
 CASES = {
     "rtn-int4": ("rtn", 4, False, "awq", Int4Linear),
     "rtn-int8": ("rtn", 8, False, "pagoda", Int8Linear),
@@ -62,8 +84,8 @@ def test_quantized_folder_equals_in_memory_quantization(
 ) -> None:
     out = tmp_path / method
     messages: list[str] = []
-    config = quantize_checkpoint(tiny_model_path, out, method, bits, 128, act_order=act_order, log=messages.append,
-                                 **CALIB)
+    recipe = QuantizeRecipe(method, bits, 128, act_order=act_order, **CALIB)
+    config = quantize_checkpoint(tiny_model_path, out, recipe, log=messages.append)
     written = json.loads((out / "config.json").read_text())["quantization_config"]
     assert written == config and written["quant_method"] == quant_method
     # What was used, and only that: RTN reads no calibration text.
@@ -90,7 +112,7 @@ def test_quantized_folder_equals_in_memory_quantization(
     else:
         model = load_model(tiny_model_path, torch.float32, CPU, 128)
         tok = AutoTokenizer.from_pretrained(str(tiny_model_path))
-        results = quantize_linears(model, tok, method, bits, 128, act_order=act_order, **CALIB)
+        results = quantize_linears(model, tok, recipe)
         in_memory = replace_linears(model, results)
     # (act-order: only down_proj, K = 128, has two groups of 64 whose column order matters)
     assert kind in {type(m) for m in loaded.model.layers.modules()}
@@ -105,7 +127,7 @@ def test_quantized_folder_equals_in_memory_quantization(
 
 def test_rtn_int8_folder_equals_load_time_int8(tiny_model_path: Path, tmp_path: Path) -> None:
     """`pagoda quantize --method rtn --bits 8` stores exactly what `--quantization int8` computes."""
-    quantize_checkpoint(tiny_model_path, tmp_path / "q", "rtn", 8)
+    quantize_checkpoint(tiny_model_path, tmp_path / "q", QuantizeRecipe("rtn", 8))
     ids = torch.randint(0, 49152, (19,), generator=torch.Generator().manual_seed(1))
     stored = prefill_logits(load_model(tmp_path / "q", torch.float32, CPU, 128), ids)
     at_load = prefill_logits(load_model(tiny_model_path, torch.float32, CPU, 128, quantization="int8"), ids)
@@ -137,7 +159,7 @@ def test_written_folder_is_readable_by_every_user(tiny_model_path: Path, tmp_pat
     out = tmp_path / "new" / "nested" / "q"
     old_umask = os.umask(0o077)
     try:
-        quantize_checkpoint(source, out, "rtn", 4, log=lambda _: None)
+        quantize_checkpoint(source, out, QuantizeRecipe("rtn", 4), log=lambda _: None)
     finally:
         os.umask(old_umask)
     files = sorted(out.iterdir())

@@ -13,10 +13,10 @@ import torch
 
 @pytest.fixture(scope="module")
 def quantized_dir(tiny_model_path, tmp_path_factory):
-    from engine.quantize import quantize_checkpoint
+    from engine.quantize import QuantizeRecipe, quantize_checkpoint
 
     out = tmp_path_factory.mktemp("quantized") / "tiny-gptq"
-    quantize_checkpoint(tiny_model_path, out, "gptq", 4, 32, calib_samples=4, seq_len=32, act_order=True)
+    quantize_checkpoint(tiny_model_path, out, QuantizeRecipe("gptq", 4, 32, calib_samples=4, seq_len=32, act_order=True))
     return out
 
 
