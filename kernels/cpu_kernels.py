@@ -14,14 +14,21 @@ is routed by kernels/linear.py and engine/models/llama.py's `Linear`, not by Ker
 decode-sized calls of bf16 linears, whatever the kernel backend, like the oneDNN path.
 
 Attention routing (`paged_attention`):
-- decodes and short chunks (up to `SHORT_CHUNK` new tokens), and every chunk of a
-  sliding-window layer: the C++ kernel, reading K/V where the block tables say they lie;
-  its cost follows the keys each query attends to, with no copy of them;
+- decodes and short chunks (up to `SHORT_CHUNK` new tokens), every chunk of a
+  sliding-window layer, and in bf16 on AVX512-BF16 CPUs every chunk whose context is at
+  most `FEW_ROWS_MAX_CONTEXT` tokens: the C++ kernel, reading K/V where the block tables
+  say they lie; its cost follows the keys each query attends to, with no copy of them.
+  In bf16 its work items hold at most 8 query rows (`few_rows_q_chunk`), which take its
+  vdpbf16ps few-row loop: a 128-token prompt's attention runs 2x faster there than through
+  the flash kernel below (per-call overhead dominates such short chunks), and at 512
+  tokens 1.35x; at 2048 the flash kernel is 1.2x faster
+  (`python -m loadtest.bench_cpu_attention`, docs/BENCHMARKS.md);
 - longer prefill chunks of full-attention layers: torch's flash-attention CPU kernel
-  (blocked GEMMs, faster than any dot-product loop at hundreds of queries) over the
-  chunk's K/V gathered once per layer. A chunk after cached tokens is two unmasked calls
-  (the cached prefix, then the chunk itself causally) merged by their log-sum-exp, instead
-  of one call with an explicit [q_len, ctx] mask, which takes SDPA's slow path.
+  (blocked GEMMs, faster than any dot-product loop at hundreds of queries over thousands
+  of keys) over the chunk's K/V gathered once per layer. A chunk after cached tokens is
+  two unmasked calls (the cached prefix, then the chunk itself causally) merged by their
+  log-sum-exp, instead of one call with an explicit [q_len, ctx] mask, which takes SDPA's
+  slow path.
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 SHORT_CHUNK = 16
 # Query tokens per C++ work item: a long windowed chunk splits into items the threads share.
 Q_CHUNK = 16
+# The C++ kernel's few-row bf16 loop takes work items of up to this many query rows
+# (query tokens x the KV head's group of query heads): kFewRows in cpu_kernels.cpp.
+FEW_ROWS = 8
+# bf16 chunks with a context up to this many tokens stay in the C++ kernel (see above).
+FEW_ROWS_MAX_CONTEXT = 1024
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -124,9 +136,12 @@ def unavailable_reason() -> str | None:
 
 def bf16_gemv_available() -> bool:
     """Whether `bf16_linear` runs here: the extension built with AVX512-BF16 (compile-time:
-    -march=native on such a CPU) and the CPU reporting it (runtime)."""
-    module = load()
-    return module is not None and bool(module.has_bf16_gemv()) and "avx512_bf16" in _cpu_flags().split()
+    -march=native on such a CPU) and the CPU reporting it (runtime). Asked once per
+    process (the attention wrapper asks on every call; /proc/cpuinfo takes ~100 us to read)."""
+    if "bf16_gemv" not in _state:
+        module = load()
+        _state["bf16_gemv"] = module is not None and bool(module.has_bf16_gemv()) and "avx512_bf16" in _cpu_flags().split()
+    return bool(_state["bf16_gemv"])
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,43 +182,66 @@ def paged_attention(
     window = int(sliding_window or 0)
     # Windowed layers attend to at most `window` keys per query: the C++ kernel takes all.
     skip_over = 0 if window else SHORT_CHUNK
+    few_rows = few_rows_q_chunk(query, key_cache.shape[2])
+    q_chunk = few_rows or Q_CHUNK
+    skip_context = FEW_ROWS_MAX_CONTEXT if few_rows else 0
     load().paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
-                           Q_CHUNK, skip_over)
+                           q_chunk, skip_over, skip_context, FEW_ROWS)
     if skip_over and query.shape[0] > skip_over:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
-            if b - a > skip_over:
+            if b - a > skip_over and lens[i] > skip_context:
                 _attend_long_chunk(out, query, key_cache, value_cache, block_tables[i], lens[i], a, b, scale)
     return out
 
 
-def _attend_long_chunk(out, query, key_cache, value_cache, table, ctx: int, start: int, end: int, scale: float) -> None:
+def few_rows_q_chunk(query: torch.Tensor, num_kv_heads: int) -> int | None:
+    """Query tokens per work item that keep the C++ kernel on its few-row bf16 loop (at
+    most FEW_ROWS query rows per KV head), or None where that loop does not run: not
+    bf16, a head dim other than 64/128/256, or a build without AVX512-BF16."""
+    if query.dtype != torch.bfloat16 or query.shape[-1] not in (64, 128, 256) or not bf16_gemv_available():
+        return None
+    return max(1, FEW_ROWS // (query.shape[1] // num_kv_heads))
+
+
+def _attend_long_chunk(out, query, key_cache, value_cache, table, ctx: int, start: int, end: int, scale: float,
+                       fold_groups: bool = True) -> None:
     """One sequence's prefill chunk of `end - start` new tokens after `ctx - (end - start)`
-    cached ones, through torch's flash-attention CPU kernel (no mask)."""
+    cached ones, through torch's flash-attention CPU kernel (no mask).
+
+    The cached prefix is visible to every query row, so each KV head's group of query heads
+    is folded into its rows ([kv heads, group x chunk, d] against [kv heads, prefix, d]):
+    the prefix's K/V are read as gathered, with no copy per query head, and each flash
+    GEMM has group x more rows. Only the chunk's own causal part (chunk x chunk) repeats
+    its K/V per query head. `fold_groups=False` repeats the prefix's K/V per query head
+    instead (the route before the folding: loadtest.bench_cpu_attention compares them)."""
     q_len = end - start
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     blocks = table[: (ctx + block_size - 1) // block_size].long()
-    # [ctx, kv, d] -> [1, heads, ctx, d]: the group's query heads share their KV head.
-    k = key_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+    k = key_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)  # [kv, ctx, d]
     v = value_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
-    if group > 1:
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    k, v = k.unsqueeze(0), v.unsqueeze(0)
-    q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     cached = ctx - q_len
-    if cached == 0:
-        o = flash(q, k, v, 0.0, True, scale=scale)[0]
-    else:
+    q = query[start:end]  # [q_len, heads, d]; head h = kv head h // group, member h % group
+    k_new, v_new = k[:, cached:], v[:, cached:]
+    if group > 1:
+        k_new, v_new = k_new.repeat_interleave(group, 0), v_new.repeat_interleave(group, 0)
+    o, lse = flash(q.transpose(0, 1).unsqueeze(0), k_new.unsqueeze(0), v_new.unsqueeze(0), 0.0, True, scale=scale)[:2]
+    if cached and not fold_groups:
+        k_old, v_old = k[:, :cached].repeat_interleave(group, 0), v[:, :cached].repeat_interleave(group, 0)
+        o1, lse1 = flash(q.transpose(0, 1).unsqueeze(0), k_old.unsqueeze(0), v_old.unsqueeze(0), 0.0, False, scale=scale)[:2]
+    elif cached:
+        folded = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
+        o1, lse1 = flash(folded, k[:, :cached].unsqueeze(0), v[:, :cached].unsqueeze(0), 0.0, False, scale=scale)[:2]
+        o1, lse1 = o1.reshape(1, num_heads, q_len, head_dim), lse1.reshape(1, num_heads, q_len)
+    if cached:
         # Softmax over [cached prefix | chunk] = the two partial softmaxes merged by their
-        # log-sum-exp: the prefix is fully visible (no mask), the chunk is causal within itself.
-        o1, lse1 = flash(q, k[:, :, :cached], v[:, :, :cached], 0.0, False, scale=scale)[:2]
-        o2, lse2 = flash(q, k[:, :, cached:], v[:, :, cached:], 0.0, True, scale=scale)[:2]
-        m = torch.maximum(lse1, lse2)
-        w1, w2 = (lse1 - m).exp().unsqueeze(-1), (lse2 - m).exp().unsqueeze(-1)
-        o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+        # log-sum-exp: the prefix fully visible (no mask), the chunk causal within itself.
+        m = torch.maximum(lse1, lse)
+        w1, w2 = (lse1 - m).exp().unsqueeze(-1), (lse - m).exp().unsqueeze(-1)
+        o = (o1.float() * w1 + o.float() * w2) / (w1 + w2)
     out[start:end] = o[0].transpose(0, 1).to(out.dtype)
 
 

@@ -1,18 +1,23 @@
 """Paged attention on CPU, per layer: the C++ kernel against the torch reference it
-replaced (decodes), and torch's flash kernel against the C++ loop (long prefill chunks,
-which kernels/cpu_kernels.py routes to flash).
+replaced and against its own one-pass loop (decodes), and the routes of prefill chunks
+(kernels/cpu_kernels.py): the C++ few-row loop against torch's flash kernel for prompts
+without cached tokens, and the flash route with each KV head's query heads folded into
+its rows against the same with K/V repeated per query head, after cached tokens.
 
     python -m loadtest.bench_cpu_attention     # from the repository root (it reuses the tests' paged batches)
+    python -m loadtest.bench_cpu_attention --quick   # fewer, smaller shapes (the smoke test)
 
 Shapes are SmolLM2-135M's (9 query / 3 KV heads x 64), bf16, blocks of 16 scattered over
-the cache. Decodes run on one thread and report CPU time (robust to other load); prefill
-chunks run on torch's default threads and report wall time and GFLOP/s (4 x q x ctx x
-heads x head_dim). Best of a few repeats; both sides alternate in this one process.
+the cache. Single-thread decodes report CPU time (robust to other load); the rest run
+on torch's default threads and report wall time. "30 layers" tables call each layer's own
+cache in turn, as a model step does, so K/V come from memory, not from a cache level the
+previous call warmed. Best of a few repeats; every pair alternates in this one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -39,38 +44,97 @@ def _best(fn, clock, repeats: int, calls: int) -> float:
     return best
 
 
+def _layers(seqs: list[tuple[int, int]], layers: int):
+    """`layers` batches with the same shape and block tables, each its own cache tensors."""
+    first = _batch(seqs)
+    rest = [_batch(seqs) for _ in range(layers - 1)]
+    return [first, *[dataclasses.replace(first, key_cache=b.key_cache, value_cache=b.value_cache) for b in rest]]
+
+
+def _cpp(batch, out, *, few_rows: int, q_chunk: int | None = None) -> None:
+    """The C++ kernel on every chunk (no flash route), with or without its few-row loop."""
+    few = cpu_kernels.few_rows_q_chunk(batch.query, KV_HEADS) if few_rows else None
+    cpu_kernels.load().paged_attention(out, *batch.args(), batch.scale, 0, q_chunk or few or cpu_kernels.Q_CHUNK, 0, 0,
+                                       few_rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="small shapes and 4 layers: a smoke test")
     args = ap.parse_args(argv)
     if cpu_kernels.load() is None:
         raise SystemExit(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}")
+    if not cpu_kernels.bf16_gemv_available():
+        print("note: no AVX512-BF16 here: the few-row loop does not run, both C++ columns are the one-pass loop\n")
     threads = torch.get_num_threads()
+    layers = 4 if args.quick else 30
+    few = cpu_kernels.FEW_ROWS
 
     print("Decodes, one thread, CPU time per layer:\n")
-    print("| batch | C++ kernel | torch reference | speed-up |")
+    print("| batch | C++ few-row loop (the route taken) | C++ one-pass loop (before) | torch reference (gather + SDPA) |")
     print("|---|---:|---:|---:|")
     torch.set_num_threads(1)
-    for bs, ctx in [(1, 190), (1, 2000), (64, 190)]:
+    for bs, ctx in [(1, 190), (8, 190)] if args.quick else [(1, 190), (1, 2000), (64, 190)]:
         b = _batch([(ctx, 1)] * bs)
-        cpp = _best(lambda: cpu_kernels.paged_attention(*b.args(), b.scale), time.process_time, args.repeats, 10)
+        out = torch.empty_like(b.query)
+        new = _best(lambda: _cpp(b, out, few_rows=few), time.process_time, args.repeats, 10)
+        old = _best(lambda: _cpp(b, out, few_rows=0), time.process_time, args.repeats, 10)
         ref = _best(lambda: reference.paged_attention(*b.args(), b.scale), time.process_time, args.repeats, 10)
-        print(f"| {bs} x {ctx} tokens | {cpp * 1e6:.0f} us | {ref * 1e6:.0f} us | {ref / cpp:.1f}x |")
+        print(f"| {bs} x {ctx} tokens | {new * 1e6:.0f} us | {old * 1e6:.0f} us ({old / new:.2f}x) | "
+              f"{ref * 1e6:.0f} us ({ref / new:.1f}x) |")
 
     torch.set_num_threads(threads)
+    print(f"\nDecodes, {layers} layers, {threads} threads, wall time per layer:\n")
+    print("| batch | C++ few-row loop (the route taken) | C++ one-pass loop (before) | speed-up |")
+    print("|---|---:|---:|---:|")
+    for bs, ctx in [(8, 100)] if args.quick else [(32, 200), (64, 190), (8, 1000)]:
+        batches = _layers([(ctx, 1)] * bs, layers)
+        out = torch.empty_like(batches[0].query)
+        new = _best(lambda: [_cpp(b, out, few_rows=few) for b in batches], time.perf_counter, args.repeats, 1) / layers
+        old = _best(lambda: [_cpp(b, out, few_rows=0) for b in batches], time.perf_counter, args.repeats, 1) / layers
+        print(f"| {bs} x {ctx} tokens | {new * 1e6:.0f} us | {old * 1e6:.0f} us | {old / new:.2f}x |")
+
+    print(f"\nPrompts without cached tokens, {layers} layers, {threads} threads, wall time per layer:\n")
+    print("| prompts | C++ few-row loop (the route taken up to "
+          f"{cpu_kernels.FEW_ROWS_MAX_CONTEXT} tokens) | flash kernel, per prompt | speed-up |")
+    print("|---|---:|---:|---:|")
+    for bs, n in [(2, 64)] if args.quick else [(4, 128), (2, 512), (1, 2048)]:
+        batches = _layers([(n, n)] * bs, layers)
+        out = torch.empty_like(batches[0].query)
+        starts = batches[0].query_start_loc.tolist()
+
+        def flash_route() -> None:
+            for b in batches:
+                for i in range(bs):
+                    cpu_kernels._attend_long_chunk(out, b.query, b.key_cache, b.value_cache, b.block_tables[i], n,
+                                                   starts[i], starts[i + 1], b.scale)
+
+        new = _best(lambda: [_cpp(b, out, few_rows=few) for b in batches], time.perf_counter, args.repeats, 1) / layers
+        flash = _best(flash_route, time.perf_counter, args.repeats, 1) / layers
+        print(f"| {bs} x {n} tokens | {new * 1e3:.2f} ms | {flash * 1e3:.2f} ms | {flash / new:.2f}x |")
+
     print(f"\nOne prefill chunk after cached tokens, {threads} threads, wall time per layer:\n")
-    print("| chunk x context | flash (the route taken) | C++ loop |")
-    print("|---|---:|---:|")
-    ext = cpu_kernels.load()
-    for q_len, ctx in [(150, 7000), (512, 4000)]:
+    print("| chunk x context | flash, query heads folded per KV head (the route taken) | flash, K/V repeated per query head (before) | C++ loop |")
+    print("|---|---:|---:|---:|")
+    for q_len, ctx in [(40, 1200)] if args.quick else [(50, 7000), (150, 7000), (512, 4000)]:
         b = _batch([(ctx, q_len)])
         out = torch.empty_like(b.query)
-        flash = _best(lambda: cpu_kernels.paged_attention(*b.args(), b.scale, out), time.perf_counter, 3, 1)
-        loop = _best(lambda: ext.paged_attention(out, *b.args(), b.scale, 0, cpu_kernels.Q_CHUNK, 0),
-                     time.perf_counter, 3, 1)
+        table = b.block_tables[0]
+
+        def route(fold: bool) -> None:
+            cpu_kernels._attend_long_chunk(out, b.query, b.key_cache, b.value_cache, table, ctx, 0, q_len, b.scale,
+                                           fold_groups=fold)
+
+        folded = _best(lambda: route(True), time.perf_counter, 3, 1)
+        repeated = _best(lambda: route(False), time.perf_counter, 3, 1)
+        loop = _best(lambda: _cpp(b, out, few_rows=0, q_chunk=cpu_kernels.Q_CHUNK), time.perf_counter, 3, 1)
         flops = 4 * q_len * ctx * HEADS * HEAD_DIM
-        print(f"| {q_len} x {ctx} | {flash * 1e3:.1f} ms ({flops / flash / 1e9:.0f} GFLOP/s) | "
-              f"{loop * 1e3:.1f} ms ({flops / loop / 1e9:.0f} GFLOP/s) |")
+
+        def fmt(s: float) -> str:
+            return f"{s * 1e3:.1f} ms ({flops / s / 1e9:.0f} GFLOP/s)"
+
+        print(f"| {q_len} x {ctx} | {fmt(folded)} | {fmt(repeated)} | {fmt(loop)} |")
     return 0
 
 

@@ -29,6 +29,8 @@ BATCHES = {
     "long chunk, no cache": [(LONG, LONG), (9, 1)],
     "long chunk after cache": [(LONG + 40, LONG), (33, 1), (20, 5)],
     "mixed": [(5, 1), (LONG + 70, LONG), (64, 16), (1, 1), (31, 2)],
+    # Enough sequences (>= 4 per thread) that each work item takes all of a sequence's KV heads.
+    "many decodes": [(1 + 37 * i, 1) for i in range(12)] + [(50, 2), (70, 3)],
 }
 
 
@@ -42,13 +44,24 @@ def test_paged_attention_equals_dense_reference(name, heads, kv_heads, head_dim,
     assert_close_to_reference(out, batch, window)
 
 
-@pytest.mark.parametrize("name", ["decodes", "mixed"])
-def test_paged_attention_bf16(name):
-    batch = make_batch(BATCHES[name], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
-                       dtype=torch.bfloat16, block_order="shuffled")
-    out = cpu_kernels.paged_attention(*batch.args(), batch.scale)
+# bf16 decodes and chunks of up to 8 query rows per KV head take the few-row kernel
+# (attend_rows_bf16: vdpbf16ps scores, prefetched keys); more rows take attend_item.
+@pytest.mark.parametrize("name", BATCHES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 8, 128), (4, 1, 256)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_bf16(name, heads, kv_heads, head_dim, window, block_size):
+    batch = make_batch(BATCHES[name], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       block_size=block_size, dtype=torch.bfloat16, block_order="shuffled", seed=len(name))
+    out = cpu_kernels.paged_attention(*batch.args(), batch.scale, sliding_window=window)
     assert out.dtype == torch.bfloat16
-    assert_close_to_reference(out, batch)
+    assert_close_to_reference(out, batch, window)
+
+
+def test_paged_attention_bf16_block_size_1():
+    batch = make_batch([(7, 1), (5, 5), (40, 2)], num_heads=6, num_kv_heads=2, head_dim=64, block_size=1,
+                       dtype=torch.bfloat16, block_order="shuffled")
+    assert_close_to_reference(cpu_kernels.paged_attention(*batch.args(), batch.scale), batch)
 
 
 def test_paged_attention_writes_into_out_and_block_size_1():
@@ -154,3 +167,13 @@ def test_bf16_gemv_odd_shapes_and_thread_split():
     got3 = cpu_kernels.bf16_linear(x[:16].reshape(2, 8, 96), weight)
     assert got3.shape == (2, 8, weight.shape[0]) and torch.equal(got3.reshape(16, -1), got[:16])
     assert cpu_kernels.bf16_linear(x[:0], weight).shape == (0, weight.shape[0])
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)])
+def test_paged_attention_bf16_long_context_chunk_takes_flash(heads, kv_heads):
+    # Past FEW_ROWS_MAX_CONTEXT a bf16 chunk goes to the flash route, its cached prefix
+    # attended with each KV head's query heads folded into rows; a decode beside it stays in C++.
+    ctx = cpu_kernels.FEW_ROWS_MAX_CONTEXT + 80
+    batch = make_batch([(ctx, 40), (ctx - 30, 1)], num_heads=heads, num_kv_heads=kv_heads, head_dim=64,
+                       block_size=16, dtype=torch.bfloat16, block_order="shuffled")
+    assert_close_to_reference(cpu_kernels.paged_attention(*batch.args(), batch.scale), batch)
