@@ -159,6 +159,20 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def bf16_silu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(F.silu(gate) * up, down_weight)` with `gate, up = F.linear(x, gate_up_weight)
+    .chunk(2, -1)`, bfloat16 and without biases, in one call (csrc/cpu_kernels.cpp
+    `bf16_silu_mlp`): both linears through the GEMV, each intermediate rounded to bf16 as
+    the eager ops round. For the few rows `bf16_linear` takes (decode batches); one call
+    instead of five saves their Python and dispatch. Only where `bf16_gemv_available()`."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], down_weight.shape[0], dtype=x.dtype)
+    load().bf16_silu_mlp(out, rows, gate_up_weight, down_weight)
+    return out.view(*x.shape[:-1], down_weight.shape[0])
+
+
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 

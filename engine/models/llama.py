@@ -16,7 +16,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.models.args import ModelArgs, rope_inv_freq
 from kernels.elementwise import rms_norm, rotate_half
-from kernels.cpu_kernels import bf16_linear
+from kernels.cpu_kernels import bf16_linear, bf16_silu_mlp
 from kernels.linear import GEMV_MAX_ROWS, gemv_enabled, gemv_takes, linear, pack_weight, packed_linear
 from kernels.ops import KernelOps
 
@@ -101,8 +101,12 @@ class Linear(nn.Module):
         start = sum(self.shard_sizes[:index])
         return param.narrow(0, start, self.shard_sizes[index])
 
+    def gemv_runs(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` runs the C++ bf16 GEMV (a few bf16 rows, `gemv_max_rows`)."""
+        return bool(self.gemv_max_rows) and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and x.dtype == torch.bfloat16
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv_max_rows and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and x.dtype == torch.bfloat16:
+        if self.gemv_runs(x):
             return bf16_linear(x, self.weight, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
@@ -241,6 +245,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if (self.act is F.silu and type(gate_up) is Linear and type(down) is Linear and gate_up.gemv_runs(x)
+                and down.gemv_max_rows and gate_up.bias is None and down.bias is None):
+            # Decode rows in bf16 where both linears run the GEMV: the whole MLP in one C++
+            # call (same rounding as the eager ops below, without their per-op overhead).
+            return bf16_silu_mlp(x, gate_up.weight, down.weight)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -1,8 +1,8 @@
 // Pagoda's CPU kernels: paged attention that reads the KV blocks where they lie, the KV
 // write, and the fused element-wise steps of a decoder layer (residual add + RMSNorm,
 // rotary embedding), and the bf16 small-batch GEMV of the decode linears (AVX512-BF16 CPUs).
-// SiLU-and-multiply stays on torch's vectorised ops, which measured
-// faster than a plain loop here (its exp does not vectorise without -ffast-math). Built on first use by kernels/cpu_kernels.py
+// SiLU-and-multiply stays on torch's vectorised ops for larger batches; for a few bf16 rows
+// it runs inside `bf16_silu_mlp`, the whole MLP in one call. Built on first use by kernels/cpu_kernels.py
 // (torch.utils.cpp_extension, -O3 -march=native, cached on disk); the torch reference
 // ops in kernels/reference.py define the semantics and the tests hold these to them.
 //
@@ -891,6 +891,58 @@ void bf16_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor weight, c10::op
 #endif
 }
 
+namespace {
+
+// silu(g) * u for bf16 rows, each op rounded to bf16 as torch's eager `F.silu(gate) * up`
+// rounds (silu in float, rounded; the product in float, rounded). The sigmoid is
+// branch-free so the loop vectorises: with e = exp(-|g|) <= 1, sigmoid(g) = 1 / (1 + e)
+// for g >= 0 and e / (1 + e) below.
+void silu_mul_rows(const uint16_t* gate_up, uint16_t* h, int64_t M, int64_t I) {
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* g = gate_up + m * 2 * I;
+    const uint16_t* u = g + I;
+    uint16_t* o = h + m * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) {
+      uint32_t gb = static_cast<uint32_t>(g[i]) << 16, ub = static_cast<uint32_t>(u[i]) << 16;
+      float gf, uf;
+      std::memcpy(&gf, &gb, sizeof(gf));
+      std::memcpy(&uf, &ub, sizeof(uf));
+      const float e = exp_nonpositive(-std::fabs(gf));
+      const float sig = (gf >= 0.f ? 1.f : e) / (1.f + e);
+      o[i] = bf16_bits(round_to<c10::BFloat16>(gf * sig) * uf);
+    }
+  }
+}
+
+}  // namespace
+
+// The gated SiLU MLP of a few bf16 rows in one call: out = (silu(x W_gu[:I]^T) *
+// (x W_gu[I:]^T)) W_down^T, no biases, every intermediate rounded to bf16 as the eager
+// ops round. Both linears run the GEMV above; one call instead of two GEMV calls and
+// three eager ops (split, silu, mul) saves their Python and dispatch at decode, where a
+// layer's ops each cost more in overhead than in arithmetic.
+void bf16_silu_mlp(torch::Tensor out, torch::Tensor x, torch::Tensor gate_up_weight, torch::Tensor down_weight) {
+  TORCH_CHECK(kHaveBf16Gemv, "bf16_silu_mlp: this build has no AVX512-BF16 (the CPU lacks it)");
+  for (const torch::Tensor* t : {&out, &x, &gate_up_weight, &down_weight}) {
+    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
+                "bf16_silu_mlp: 2-D contiguous bfloat16 tensors expected");
+  }
+  const int64_t M = x.size(0), K = x.size(1), I = gate_up_weight.size(0) / 2, N = down_weight.size(0);
+  TORCH_CHECK(gate_up_weight.size(0) == 2 * I && gate_up_weight.size(1) == K && down_weight.size(1) == I &&
+                  out.size(0) == M && out.size(1) == N,
+              "bf16_silu_mlp: shape mismatch");
+#if defined(__AVX512BF16__)
+  if (M == 0) return;
+  std::vector<uint16_t> gate_up(M * 2 * I), h(M * I);
+  bf16_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(gate_up_weight.data_ptr()), nullptr, gate_up.data(), M, K, 2 * I);
+  silu_mul_rows(gate_up.data(), h.data(), M, I);
+  bf16_gemv_impl(h.data(), reinterpret_cast<const uint16_t*>(down_weight.data_ptr()), nullptr,
+                 reinterpret_cast<uint16_t*>(out.data_ptr()), M, I, N);
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention);
   m.def("reshape_and_cache", &reshape_and_cache);
@@ -898,4 +950,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary);
   m.def("has_bf16_gemv", &has_bf16_gemv);
   m.def("bf16_gemv", &bf16_gemv);
+  m.def("bf16_silu_mlp", &bf16_silu_mlp);
 }

@@ -177,3 +177,25 @@ def test_paged_attention_bf16_long_context_chunk_takes_flash(heads, kv_heads):
     batch = make_batch([(ctx, 40), (ctx - 30, 1)], num_heads=heads, num_kv_heads=kv_heads, head_dim=64,
                        block_size=16, dtype=torch.bfloat16, block_order="shuffled")
     assert_close_to_reference(cpu_kernels.paged_attention(*batch.args(), batch.scale), batch)
+
+
+@gemv
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("hidden, inter", [(64, 96), (576, 1536)])
+def test_bf16_silu_mlp_equals_the_eager_ops(rows, hidden, inter):
+    """The fused decode MLP against the eager ops it replaces (the same GEMV for both
+    linears, then F.silu and * in bf16): equal but for the rare 1-ulp bf16 difference of
+    a float silu computed another way, and close to the float64 MLP of the same inputs."""
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=g).bfloat16()
+    gate_up = (torch.randn(2 * inter, hidden, generator=g) / hidden**0.5).bfloat16()
+    down = (torch.randn(hidden, inter, generator=g) / inter**0.5).bfloat16()
+    got = cpu_kernels.bf16_silu_mlp(x, gate_up, down)
+    gate, up = cpu_kernels.bf16_linear(x, gate_up).split(inter, dim=-1)
+    eager = cpu_kernels.bf16_linear(torch.nn.functional.silu(gate) * up, down)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, hidden)
+    torch.testing.assert_close(got, eager, atol=2e-2, rtol=2e-2)
+    assert (got == eager).double().mean() > 0.9  # differences are rare 1-ulp ones, not a different op
+    gd, ud = torch.nn.functional.linear(x.double(), gate_up.double()).split(inter, dim=-1)
+    exact = torch.nn.functional.linear(torch.nn.functional.silu(gd) * ud, down.double())
+    torch.testing.assert_close(got.double(), exact, atol=3e-2, rtol=3e-2)

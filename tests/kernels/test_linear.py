@@ -98,7 +98,13 @@ def test_bf16_runner_routes_few_rows_to_the_gemv(tmp_path, monkeypatch):
             assert torch.allclose(y.double(), want, rtol=2**-7, atol=1e-3 * float(want.abs().max()))
 
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    import engine.models.llama as llama
+
+    fused_calls = []  # decode steps run each MLP as one C++ call (GEMV, SiLU-and-mul, GEMV)
+    fused = llama.bf16_silu_mlp
+    monkeypatch.setattr(llama, "bf16_silu_mlp", lambda *a: fused_calls.append(1) or fused(*a))
     with_gemv = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d"], params)]
+    assert len(fused_calls) >= 2 * 7  # 2 layers x the 7 decode steps after the prefill
     for m in linears:
         m.gemv_max_rows = 0  # oneDNN at every row count, as before the GEMV
     without = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d"], params)]
