@@ -894,9 +894,11 @@ void bf16_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor weight, c10::op
 namespace {
 
 // silu(g) * u for bf16 rows, each op rounded to bf16 as torch's eager `F.silu(gate) * up`
-// rounds (silu in float, rounded; the product in float, rounded). The sigmoid is
-// branch-free so the loop vectorises: with e = exp(-|g|) <= 1, sigmoid(g) = 1 / (1 + e)
-// for g >= 0 and e / (1 + e) below.
+// rounds (silu in float, rounded; the product in float, rounded). With e = exp(-|g|) <= 1,
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below. GCC leaves this loop scalar
+// (~2.4 ns an element here: 4x slower than torch's vectorised silu and mul on large
+// batches, so only the few-row fused MLP uses it, where a row's 1-2k elements take a few
+// microseconds against the ~50 us of eager-op overhead the fusion saves).
 void silu_mul_rows(const uint16_t* gate_up, uint16_t* h, int64_t M, int64_t I) {
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* g = gate_up + m * 2 * I;
