@@ -95,15 +95,27 @@ def folder_by_hand(gguf: Path, config, tokenizer_folder: Path, root: Path) -> Pa
     return folder
 
 
+CHAT_TEMPLATE = "{{ messages[0]['content'] }}"
+_ALL = os.environ.get("PAGODA_GGUF_ALL") == "1"
+_OPT_IN = pytest.mark.skipif(not _ALL, reason="opt-in: PAGODA_GGUF_ALL=1 (make test-gguf-gemma)")
+
+
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "gemma3"])
 def test_float_gguf_gives_the_original_models_greedy_tokens(tiny_models, default_model_files, tmp_path, arch):
-    """Names, llama.cpp's q/k permutation, Gemma's 1 + w norms, Llama 3's RoPE divisors and (but
-    for Gemma) the config from the file's metadata are undone exactly: greedy tokens equal those of the transformers
-    model the file was written from, with chunked prefill and a KV budget small enough to preempt."""
-    gguf, model = tiny_models(arch, T.F32)
+    """Names, llama.cpp's q/k permutation, Gemma's 1 + w norms, Llama 3's RoPE divisors and the
+    config from the file's metadata are undone exactly: greedy tokens equal those of the
+    transformers model the file was written from, with chunked prefill and a KV budget small
+    enough to preempt. The config comes from the metadata for llama (and, with
+    PAGODA_GGUF_ALL=1, for llama3, qwen2 and qwen3: ~20 s each, transformers converting the
+    tokenizer); otherwise from a folder by hand beside the file, as always for Gemma, whose
+    SmolLM2 tokenizer transformers cannot convert. The weights are read from the GGUF either way."""
+    # llama: the file test_the_metadata_folder_is_written_once_and_names_the_file reads too,
+    # so the module's cache converts its metadata (~15 s) once for both.
+    gguf, model = tiny_models(arch, T.F32, **({"chat_template": CHAT_TEMPLATE} if arch == "llama" else {}))
     ids = prompt_ids(default_model_files)
-    source = folder_by_hand(gguf, model.config, default_model_files, tmp_path) if arch == "gemma3" else gguf
-    if arch == "llama3":
+    from_metadata = arch == "llama" or (_ALL and arch != "gemma3")
+    source = gguf if from_metadata else folder_by_hand(gguf, model.config, default_model_files, tmp_path)
+    if arch == "llama3" and from_metadata:
         from transformers import AutoConfig
 
         rope = AutoConfig.from_pretrained(str(resolve_model_path(str(gguf)))).rope_parameters
@@ -112,15 +124,14 @@ def test_float_gguf_gives_the_original_models_greedy_tokens(tiny_models, default
     assert got == hf_greedy(model, ids, 12)
 
 
-# Each case costs ~25 s (transformers converts the tokenizer on every GGUF load): Q4_1 runs
-# always; Q4_0 and Q8_0, whose block decoders test_blocks.py checks value by value, run
-# with PAGODA_GGUF_ALL=1 (`make test-gguf-gemma` sets it), to keep the suite in CI's budget.
-_ALL = os.environ.get("PAGODA_GGUF_ALL") == "1"
-_OPT_IN = pytest.mark.skipif(not _ALL, reason="opt-in: PAGODA_GGUF_ALL=1 (make test-gguf-gemma)")
+# Each case costs ~25 s (transformers converts the tokenizer on every GGUF load), so they
+# run with PAGODA_GGUF_ALL=1 (`make test-gguf-gemma` sets it), to keep the suite in CI's
+# budget. Without it the block decoders are still checked value by value (test_blocks.py)
+# and the bundled Q4_1 file dequantized gives the float folder's greedy tokens
+# (test_bundled_gguf.py).
 
 
-@pytest.mark.parametrize("qtype", [pytest.param(T.Q4_0, marks=_OPT_IN), T.Q4_1, pytest.param(T.Q8_0, marks=_OPT_IN)],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [pytest.param(t, marks=_OPT_IN) for t in (T.Q4_0, T.Q4_1, T.Q8_0)], ids=lambda t: t.name)
 def test_quantized_gguf_dequantized_gives_transformers_greedy_tokens(tiny_files, default_model_files, qtype):
     """`--load-format dequantize`: the weights transformers' own GGUF loader makes."""
     from transformers import AutoModelForCausalLM
@@ -151,11 +162,11 @@ def test_quantized_gguf_keeps_integers_and_stays_close(tiny_models, default_mode
 
 
 def test_the_metadata_folder_is_written_once_and_names_the_file(tiny_files):
-    gguf = tiny_files("llama", T.Q4_1, chat_template="{{ messages[0]['content'] }}")
+    gguf = tiny_files("llama", T.F32, chat_template=CHAT_TEMPLATE)
     folder = resolve_model_path(str(gguf))
     assert gguf_source(folder) == gguf.resolve()
     assert folder.name == gguf.stem
-    assert (folder / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
+    assert (folder / "chat_template.jinja").read_text() == CHAT_TEMPLATE
     stamp = (folder / "config.json").stat().st_mtime_ns
     assert resolve_model_path(str(gguf)) == folder
     assert (folder / "config.json").stat().st_mtime_ns == stamp

@@ -10,7 +10,8 @@ block in use), and the block-manager invariants held after every step (the serve
 with PAGODA_DEBUG_INVARIANTS=1; a violation would kill the engine loop and fail requests).
 At the end: preemptions happened, and the server's RSS did not grow from round 1 to the last.
 
-PAGODA_SOAK_ROUNDS=N runs N rounds (default 3; round 1 is the warm-up RSS baseline).
+PAGODA_SOAK_ROUNDS=N runs N rounds (default 2, to keep CI in its budget; round 1 is the warm-up
+RSS baseline, so the default compares round 2 with it).
 """
 
 import asyncio
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-ROUNDS = int(os.environ.get("PAGODA_SOAK_ROUNDS", "3"))
+ROUNDS = int(os.environ.get("PAGODA_SOAK_ROUNDS", "2"))
 ROUND_SIZE = 64
 MAX_MODEL_LEN = 192
 # 48 blocks of 16 tokens (46080 bytes per token in float32): 768 tokens for 8 sequences
