@@ -21,7 +21,7 @@ Attention routing (`paged_attention`):
   In bf16 its work items hold at most 8 query rows (`few_rows_q_chunk`), which take its
   vdpbf16ps few-row loop: a 128-token prompt's attention runs 2x faster there than through
   the flash kernel below (per-call overhead dominates such short chunks), and at 512
-  tokens 1.35x; at 2048 the flash kernel is 1.2x faster
+  tokens 1.38x; at 2048 the flash kernel is 1.4x faster
   (`python -m loadtest.bench_cpu_attention`, docs/BENCHMARKS.md);
 - longer prefill chunks of full-attention layers: torch's flash-attention CPU kernel
   (blocked GEMMs, faster than any dot-product loop at hundreds of queries over thousands
@@ -151,12 +151,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     once. For few rows (decode batches): it does M vector products per weight load, so
     from a few rows on oneDNN's blocked GEMM is faster (kernels/linear.py routes by row
     count, `GEMV_MAX_ROWS`). Only where `bf16_gemv_available()`."""
-    rows = x.reshape(-1, x.shape[-1])
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
-    load().bf16_gemv(out, rows, weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return _rowwise(lambda out, rows: load().bf16_gemv(out, rows, weight, bias), x, weight.shape[0])
 
 
 def bf16_silu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
@@ -165,12 +160,19 @@ def bf16_silu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: to
     `bf16_silu_mlp`): both linears through the GEMV, each intermediate rounded to bf16 as
     the eager ops round. For the few rows `bf16_linear` takes (decode batches); one call
     instead of five saves their Python and dispatch. Only where `bf16_gemv_available()`."""
+    return _rowwise(lambda out, rows: load().bf16_silu_mlp(out, rows, gate_up_weight, down_weight), x,
+                    down_weight.shape[0])
+
+
+def _rowwise(kernel, x: torch.Tensor, n: int) -> torch.Tensor:
+    """`kernel(out, rows)` on x's rows as one contiguous [M, K] matrix into a new [M, n]
+    output, returned in x's leading shape."""
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], down_weight.shape[0], dtype=x.dtype)
-    load().bf16_silu_mlp(out, rows, gate_up_weight, down_weight)
-    return out.view(*x.shape[:-1], down_weight.shape[0])
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    kernel(out, rows)
+    return out.view(*x.shape[:-1], n)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
