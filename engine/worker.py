@@ -34,7 +34,11 @@ if TYPE_CHECKING:
 
 CPU_ATTENTION_SLOWDOWN = 4
 """How many times slower than the linears' GEMMs a prefill chunk's attention runs per
-FLOP on CPU (measured: docs/BENCHMARKS.md, long-prompt section)."""
+FLOP on CPU through torch's flash kernel (80-130 GFLOP/s against oneDNN's ~400 here:
+`python -m loadtest.bench_cpu_attention`, docs/BENCHMARKS.md)."""
+CPU_BLOCKED_ATTENTION_SLOWDOWN = 1.25
+"""The same through the C++ kernel's blocked bf16 loop (kernels/cpu_kernels.py: bf16 on
+AVX512-BF16 CPUs), ~300-320 GFLOP/s on long chunks in the same benchmark."""
 
 
 @dataclass(slots=True)
@@ -182,14 +186,18 @@ class Worker:
         """The context length whose attention takes a new token as long as its pass through
         the decoder linears; the scheduler scales its prefill chunk cap by it (on CPU).
         FLOPs: 2 x (linear weights per layer) against 4 x heads x head_dim per context
-        token (QK^T and PV); time: attention of a prefill chunk runs at about a quarter of
-        the linears' GEMM rate on CPU (torch's flash kernel 80-130 GFLOP/s against oneDNN's
-        ~400 here: `python -m loadtest.bench_cpu_attention`, docs/BENCHMARKS.md), hence / CPU_ATTENTION_SLOWDOWN. ~770 tokens for
-        SmolLM2-135M."""
+        token (QK^T and PV); time: per FLOP a prefill chunk's attention runs
+        CPU_BLOCKED_ATTENTION_SLOWDOWN times slower than the linears in the C++ blocked
+        loop, CPU_ATTENTION_SLOWDOWN times through torch's flash kernel. For SmolLM2-135M
+        ~2460 and ~770 tokens."""
+        from kernels import cpu_kernels
+
         a = self.args
         q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
         linear_weights = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
-        return max(1, (2 * linear_weights) // (4 * q * CPU_ATTENTION_SLOWDOWN))
+        blocked = self.ops.backend == "cpu" and cpu_kernels.blocked_attention_runs(self.dtype, a.head_dim)
+        slowdown = CPU_BLOCKED_ATTENTION_SLOWDOWN if blocked else CPU_ATTENTION_SLOWDOWN
+        return max(1, int(2 * linear_weights / (4 * q * slowdown)))
 
     def _num_gemv_linears(self) -> int:
         return sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.gemv_max_rows)

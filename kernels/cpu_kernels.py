@@ -14,21 +14,22 @@ is routed by kernels/linear.py and engine/models/llama.py's `Linear`, not by Ker
 decode-sized calls of bf16 linears, whatever the kernel backend, like the oneDNN path.
 
 Attention routing (`paged_attention`):
-- decodes and short chunks (up to `SHORT_CHUNK` new tokens), every chunk of a
-  sliding-window layer, and in bf16 on AVX512-BF16 CPUs every chunk whose context is at
-  most `FEW_ROWS_MAX_CONTEXT` tokens: the C++ kernel, reading K/V where the block tables
-  say they lie; its cost follows the keys each query attends to, with no copy of them.
-  In bf16 its work items hold at most 8 query rows (`few_rows_q_chunk`), which take its
-  vdpbf16ps few-row loop: a 128-token prompt's attention runs 2x faster there than through
-  the flash kernel below (per-call overhead dominates such short chunks), and at 512
-  tokens 1.38x; at 2048 the flash kernel is 1.4x faster
-  (`python -m loadtest.bench_cpu_attention`, docs/BENCHMARKS.md);
-- longer prefill chunks of full-attention layers: torch's flash-attention CPU kernel
-  (blocked GEMMs, faster than any dot-product loop at hundreds of queries over thousands
-  of keys) over the chunk's K/V gathered once per layer. A chunk after cached tokens is
-  two unmasked calls (the cached prefix, then the chunk itself causally) merged by their
-  log-sum-exp, instead of one call with an explicit [q_len, ctx] mask, which takes SDPA's
-  slow path.
+- bf16 on AVX512-BF16 CPUs (head dims 64/128/256): every chunk in the C++ kernel, which
+  reads K/V where the block tables say they lie, so its cost follows the keys each query
+  attends to, with no copy of them. Decodes and short chunks (up to `BLOCK_MIN_ROWS` query
+  rows: tokens x the KV head's group of query heads) take its few-row vdpbf16ps loop in
+  items of at most 8 rows (`few_rows_q_chunk`); longer chunks take its blocked
+  flash-attention loop (vdpbf16ps matrix tiles, online softmax), which runs at
+  ~2.5x torch's flash kernel on a 512-token chunk after 7000 cached tokens and ~2x the
+  few-row loop on 128-token prompts (`python -m loadtest.bench_cpu_attention`,
+  docs/BENCHMARKS.md);
+- elsewhere (float32, other head dims, no AVX512-BF16): decodes, short chunks (up to
+  `SHORT_CHUNK` new tokens) and every chunk of a sliding-window layer in the C++ kernel's
+  one-pass loop; longer prefill chunks of full-attention layers through torch's
+  flash-attention CPU kernel (blocked GEMMs) over the chunk's K/V gathered once per layer.
+  A chunk after cached tokens is two unmasked calls (the cached prefix, then the chunk
+  itself causally) merged by their log-sum-exp, instead of one call with an explicit
+  [q_len, ctx] mask, which takes SDPA's slow path.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ Q_CHUNK = 16
 # The C++ kernel's few-row bf16 loop takes work items of up to this many query rows
 # (query tokens x the KV head's group of query heads): kFewRows in cpu_kernels.cpp.
 FEW_ROWS = 8
-# bf16 chunks with a context up to this many tokens stay in the C++ kernel (see above).
-FEW_ROWS_MAX_CONTEXT = 1024
+# bf16 chunks of more than this many query rows take the C++ blocked loop: from 16 rows on
+# its 32-row tiles beat the few-row loop (1.6x at 18 rows, 0.9x at 9, in a development
+# A/B over 8 sequences of 200 tokens; less than a tile pads the rest).
+BLOCK_MIN_ROWS = 16
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -196,32 +199,41 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(query)
     window = int(sliding_window or 0)
-    # Windowed layers attend to at most `window` keys per query: the C++ kernel takes all.
-    skip_over = 0 if window else SHORT_CHUNK
     few_rows = few_rows_q_chunk(query, key_cache.shape[2])
     q_chunk = few_rows or Q_CHUNK
-    skip_context = FEW_ROWS_MAX_CONTEXT if few_rows else 0
+    # bf16 with the few-row loop (an AVX512-BF16 build): the C++ kernel takes every chunk,
+    # long ones in its blocked loop. Otherwise windowed layers attend to at most `window`
+    # keys per query and also stay in C++; long full-attention chunks go to flash.
+    skip_over = 0 if (window or few_rows) else SHORT_CHUNK
+    block_over = BLOCK_MIN_ROWS if few_rows else 0
     load().paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
-                           q_chunk, skip_over, skip_context, FEW_ROWS)
+                           q_chunk, skip_over, FEW_ROWS, block_over)
     if skip_over and query.shape[0] > skip_over:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
-            if b - a > skip_over and lens[i] > skip_context:
+            if b - a > skip_over:
                 _attend_long_chunk(out, query, key_cache, value_cache, block_tables[i], lens[i], a, b, scale)
     return out
 
 
+def blocked_attention_runs(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether long prefill chunks of this dtype and head dim take the C++ blocked loop
+    (where `few_rows_q_chunk` is not None) rather than torch's flash kernel."""
+    return dtype == torch.bfloat16 and head_dim in (64, 128, 256) and bf16_gemv_available()
+
+
 def few_rows_q_chunk(query: torch.Tensor, num_kv_heads: int) -> int | None:
     """Query tokens per work item that keep the C++ kernel on its few-row bf16 loop (at
-    most FEW_ROWS query rows per KV head), or None where that loop does not run: not
-    bf16, a head dim other than 64/128/256, or a build without AVX512-BF16."""
-    if query.dtype != torch.bfloat16 or query.shape[-1] not in (64, 128, 256) or not bf16_gemv_available():
+    most FEW_ROWS query rows per KV head), or None where that loop (and the blocked one)
+    does not run: not bf16, a head dim other than 64/128/256, or a build without
+    AVX512-BF16."""
+    if not blocked_attention_runs(query.dtype, query.shape[-1]):
         return None
     return max(1, FEW_ROWS // (query.shape[1] // num_kv_heads))
 
 
-def _attend_long_chunk(out, query, key_cache, value_cache, table, ctx: int, start: int, end: int, scale: float,
-                       fold_groups: bool = True) -> None:
+def _attend_long_chunk(out, query, key_cache, value_cache, table, ctx: int, start: int, end: int,
+                       scale: float) -> None:
     """One sequence's prefill chunk of `end - start` new tokens after `ctx - (end - start)`
     cached ones, through torch's flash-attention CPU kernel (no mask).
 
@@ -229,8 +241,7 @@ def _attend_long_chunk(out, query, key_cache, value_cache, table, ctx: int, star
     is folded into its rows ([kv heads, group x chunk, d] against [kv heads, prefix, d]):
     the prefix's K/V are read as gathered, with no copy per query head, and each flash
     GEMM has group x more rows. Only the chunk's own causal part (chunk x chunk) repeats
-    its K/V per query head. `fold_groups=False` repeats the prefix's K/V per query head
-    instead (the route before the folding: loadtest.bench_cpu_attention compares them)."""
+    its K/V per query head."""
     q_len = end - start
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     num_heads = query.shape[1]
@@ -245,14 +256,10 @@ def _attend_long_chunk(out, query, key_cache, value_cache, table, ctx: int, star
     if group > 1:
         k_new, v_new = k_new.repeat_interleave(group, 0), v_new.repeat_interleave(group, 0)
     o, lse = flash(q.transpose(0, 1).unsqueeze(0), k_new.unsqueeze(0), v_new.unsqueeze(0), 0.0, True, scale=scale)[:2]
-    if cached and not fold_groups:
-        k_old, v_old = k[:, :cached].repeat_interleave(group, 0), v[:, :cached].repeat_interleave(group, 0)
-        o1, lse1 = flash(q.transpose(0, 1).unsqueeze(0), k_old.unsqueeze(0), v_old.unsqueeze(0), 0.0, False, scale=scale)[:2]
-    elif cached:
+    if cached:
         folded = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
         o1, lse1 = flash(folded, k[:, :cached].unsqueeze(0), v[:, :cached].unsqueeze(0), 0.0, False, scale=scale)[:2]
         o1, lse1 = o1.reshape(1, num_heads, q_len, head_dim), lse1.reshape(1, num_heads, q_len)
-    if cached:
         # Softmax over [cached prefix | chunk] = the two partial softmaxes merged by their
         # log-sum-exp: the prefix fully visible (no mask), the chunk causal within itself.
         m = torch.maximum(lse1, lse)

@@ -1,8 +1,8 @@
 """Paged attention on CPU, per layer: the C++ kernel against the torch reference it
 replaced and against its own one-pass loop (decodes), and the routes of prefill chunks
-(kernels/cpu_kernels.py): the C++ few-row loop against torch's flash kernel for prompts
-without cached tokens, and the flash route with each KV head's query heads folded into
-its rows against the same with K/V repeated per query head, after cached tokens.
+(kernels/cpu_kernels.py): the C++ blocked loop (bf16 chunks of more than BLOCK_MIN_ROWS
+query rows) against the few-row loop and torch's flash kernel that took such chunks before,
+for prompts without cached tokens and for a chunk after cached tokens.
 
     python -m loadtest.bench_cpu_attention     # from the repository root (it reuses the tests' paged batches)
     python -m loadtest.bench_cpu_attention --quick   # fewer, smaller shapes (the smoke test)
@@ -11,7 +11,8 @@ Shapes are SmolLM2-135M's (9 query / 3 KV heads x 64), bf16, blocks of 16 scatte
 the cache. Single-thread decodes report CPU time (robust to other load); the rest run
 on torch's default threads and report wall time. "30 layers" tables call each layer's own
 cache in turn, as a model step does, so K/V come from memory, not from a cache level the
-previous call warmed. Best of a few repeats; every pair alternates in this one process.
+previous call warmed. GFLOP/s count the causal products only (4 x heads x head dim per
+query-key pair a row sees). Best of a few repeats; every pair alternates in this one process.
 """
 
 from __future__ import annotations
@@ -51,11 +52,27 @@ def _layers(seqs: list[tuple[int, int]], layers: int):
     return [first, *[dataclasses.replace(first, key_cache=b.key_cache, value_cache=b.value_cache) for b in rest]]
 
 
-def _cpp(batch, out, *, few_rows: int, q_chunk: int | None = None) -> None:
-    """The C++ kernel on every chunk (no flash route), with or without its few-row loop."""
+def _cpp(batch, out, *, few_rows: int, q_chunk: int | None = None, block: bool = False) -> None:
+    """The C++ kernel on every chunk (no flash route): with its blocked loop for chunks of
+    more than BLOCK_MIN_ROWS query rows (`block`), its few-row loop for items of up to
+    FEW_ROWS rows (`few_rows`), the one-pass loop for the rest."""
     few = cpu_kernels.few_rows_q_chunk(batch.query, KV_HEADS) if few_rows else None
-    cpu_kernels.load().paged_attention(out, *batch.args(), batch.scale, 0, q_chunk or few or cpu_kernels.Q_CHUNK, 0, 0,
-                                       few_rows)
+    cpu_kernels.load().paged_attention(out, *batch.args(), batch.scale, 0, q_chunk or few or cpu_kernels.Q_CHUNK, 0,
+                                       few_rows, cpu_kernels.BLOCK_MIN_ROWS if block else 0)
+
+
+def _flash(batch, out) -> None:
+    """torch's flash kernel, one call per sequence (the route of long bf16 chunks before)."""
+    starts, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+    for i in range(len(lens)):
+        cpu_kernels._attend_long_chunk(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables[i],
+                                       lens[i], starts[i], starts[i + 1], batch.scale)
+
+
+def _causal_flops(seqs: list[tuple[int, int]]) -> float:
+    """QK^T and PV products of the pairs each query row sees: a chunk of q tokens after c
+    cached ones sees q x c + q (q + 1) / 2."""
+    return sum(4 * HEADS * HEAD_DIM * ((ctx - q) * q + q * (q + 1) / 2) for ctx, q in seqs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,46 +113,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {bs} x {ctx} tokens | {new * 1e6:.0f} us | {old * 1e6:.0f} us | {old / new:.2f}x |")
 
     print(f"\nPrompts without cached tokens, {layers} layers, {threads} threads, wall time per layer:\n")
-    print("| prompts | C++ few-row loop (the route taken up to "
-          f"{cpu_kernels.FEW_ROWS_MAX_CONTEXT} tokens) | flash kernel, per prompt | speed-up |")
+    print("| prompts | C++ blocked loop (the route taken) | C++ few-row loop (before, up to 1024 tokens) | "
+          "flash kernel, per prompt (before, longer) |")
     print("|---|---:|---:|---:|")
     for bs, n in [(2, 64)] if args.quick else [(4, 128), (2, 512), (1, 2048)]:
         batches = _layers([(n, n)] * bs, layers)
         out = torch.empty_like(batches[0].query)
-        starts = batches[0].query_start_loc.tolist()
-
-        def flash_route() -> None:
-            for b in batches:
-                for i in range(bs):
-                    cpu_kernels._attend_long_chunk(out, b.query, b.key_cache, b.value_cache, b.block_tables[i], n,
-                                                   starts[i], starts[i + 1], b.scale)
-
-        new = _best(lambda: [_cpp(b, out, few_rows=few) for b in batches], time.perf_counter, args.repeats, 1) / layers
-        flash = _best(flash_route, time.perf_counter, args.repeats, 1) / layers
-        print(f"| {bs} x {n} tokens | {new * 1e3:.2f} ms | {flash * 1e3:.2f} ms | {flash / new:.2f}x |")
+        flops = _causal_flops([(n, n)] * bs)
+        blocked = _best(lambda: [_cpp(b, out, few_rows=few, block=True) for b in batches], time.perf_counter,
+                        args.repeats, 1) / layers
+        rows = _best(lambda: [_cpp(b, out, few_rows=few) for b in batches], time.perf_counter, args.repeats, 1) / layers
+        flash = _best(lambda: [_flash(b, out) for b in batches], time.perf_counter, args.repeats, 1) / layers
+        print(f"| {bs} x {n} tokens | {_fmt(blocked, flops)} | {_fmt(rows, flops)} ({rows / blocked:.2f}x) | "
+              f"{_fmt(flash, flops)} ({flash / blocked:.2f}x) |")
 
     print(f"\nOne prefill chunk after cached tokens, {threads} threads, wall time per layer:\n")
-    print("| chunk x context | flash, query heads folded per KV head (the route taken) | flash, K/V repeated per query head (before) | C++ loop |")
-    print("|---|---:|---:|---:|")
+    print("| chunk x context | C++ blocked loop (the route taken) | flash, query heads folded per KV head (before) |")
+    print("|---|---:|---:|")
     for q_len, ctx in [(40, 1200)] if args.quick else [(50, 7000), (150, 7000), (512, 4000)]:
         b = _batch([(ctx, q_len)])
         out = torch.empty_like(b.query)
-        table = b.block_tables[0]
-
-        def route(fold: bool) -> None:
-            cpu_kernels._attend_long_chunk(out, b.query, b.key_cache, b.value_cache, table, ctx, 0, q_len, b.scale,
-                                           fold_groups=fold)
-
-        folded = _best(lambda: route(True), time.perf_counter, 3, 1)
-        repeated = _best(lambda: route(False), time.perf_counter, 3, 1)
-        loop = _best(lambda: _cpp(b, out, few_rows=0, q_chunk=cpu_kernels.Q_CHUNK), time.perf_counter, 3, 1)
-        flops = 4 * q_len * ctx * HEADS * HEAD_DIM
-
-        def fmt(s: float) -> str:
-            return f"{s * 1e3:.1f} ms ({flops / s / 1e9:.0f} GFLOP/s)"
-
-        print(f"| {q_len} x {ctx} | {fmt(folded)} | {fmt(repeated)} | {fmt(loop)} |")
+        flops = _causal_flops([(ctx, q_len)])
+        blocked = _best(lambda: _cpp(b, out, few_rows=few, block=True), time.perf_counter, 3, 1)
+        flash = _best(lambda: _flash(b, out), time.perf_counter, 3, 1)
+        print(f"| {q_len} x {ctx} | {_fmt(blocked, flops)} | {_fmt(flash, flops)} ({flash / blocked:.2f}x) |")
     return 0
+
+
+def _fmt(seconds: float, flops: float) -> str:
+    return f"{seconds * 1e3:.2f} ms ({flops / seconds / 1e9:.0f} GFLOP/s)"
 
 
 if __name__ == "__main__":

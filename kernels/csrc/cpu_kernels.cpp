@@ -13,7 +13,9 @@
 // this project's CPUs) because they run over contiguous float scratch rows.
 //
 // Dtypes: float32 and bfloat16 (bf16 rounding as torch's eager ops round: compute in
-// float, round to nearest even once per op). Scores, softmax and accumulators are float32.
+// float, round to nearest even once per op). Scores, softmax and accumulators are float32;
+// the blocked prefill loop rounds the softmax weights to bf16 before they multiply V, as
+// torch's flash kernel does.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -461,46 +463,283 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
     }
   }
 }
+
+// 2^x for x <= 0 on 16 lanes: exp_nonpositive's polynomial, by hand (the blocked loop's
+// softmax runs on registers, not on rows the compiler vectorises). Below -126 it gives
+// ~1e-38, not 0: a weight that small contributes nothing either way.
+inline __m512 exp2_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int64_t kBlockRows = 128;  // query rows (tokens x the KV head's group) per blocked-loop item
+constexpr int64_t kKeyBlock = 32;    // keys per step of the blocked loop
+
+// One work item (as attend_item) of bf16 attention with many query rows: a prefill chunk,
+// causal, no window. A flash-attention loop of small matrix products on vdpbf16ps,
+// reading K and V where the block table says they lie:
+//  - the item's rows (up to kBlockRows, padded to tiles of 32) are packed once with the
+//    query's bf16 pairs of one tile's rows side by side, so the scores come out with 16
+//    rows in a vector's lanes: S^T = K Q^T, each key's pair of dims broadcast against 2
+//    row vectors, 8 keys at a time (16 accumulators). No transpose of K is needed, and the
+//    softmax (max, exp, sum per row) is lane-wise over keys, with no horizontal reduction;
+//  - per 32 keys: scores, the online-softmax update of each row's max and sum, the
+//    probabilities rounded to bf16 in key pairs (as torch's flash kernel rounds them before
+//    its second GEMM), and O += P V with V's key pairs interleaved (vdpbf16ps again: 16
+//    dims per vector, the output's dims in the interleave's lane order, put back at the end);
+//  - the accumulators O (rows x HD float), rescaled as each row's max grows, stay in L1/L2;
+//    the key block's K and V rows are read from the cache once per item and reused by all
+//    its rows; the next block's rows are prefetched while this one computes.
+// Tiles whose rows all lie before a key block are skipped (causal), so a chunk's cost is
+// the keys each row sees, rounded to blocks of 32.
+template <int64_t HD>
+void attend_block_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
+                       c10::BFloat16* out, int64_t ctx, int64_t q_len, int64_t i0, int64_t i1, int64_t q_start,
+                       int64_t kvh, int64_t H, int64_t Hkv, int64_t BS, float scale, int64_t window,
+                       std::vector<float>& scratch) {
+  static_assert(HD % 32 == 0, "head dim: a multiple of 32");
+  constexpr int64_t NP = HD / 2;                    // bf16 pairs per row
+  constexpr int64_t NV = HD / 16;                   // float vectors per row
+  constexpr int64_t PR = NV >= 16 ? 1 : 16 / NV;    // rows per P V register tile (PR * NV = 16 accumulators)
+  const int64_t g = H / Hkv;
+  const int64_t rows = (i1 - i0) * g;
+  const int64_t tiles = (rows + 31) / 32;
+  const int64_t rp = tiles * 32;  // rows padded to whole tiles
+  const int64_t first_pos = ctx - q_len;
+  const int64_t n = first_pos + i1;  // keys [lo, n): up to the last row's position
+  // With a sliding window a row at position p sees keys (p - window, p]; the first row's
+  // window starts the item's keys.
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + i0 - window + 1) : 0;
+  // Scratch, in floats: packed Q [NP][rp], O [rp][HD], max/sum/alpha/pos [rp] each,
+  // scores [32 keys][32 rows], P pairs [16][32], V pairs [16][HD].
+  const int64_t need = NP * rp + rp * HD + 4 * rp + kKeyBlock * 32 + 16 * 32 + 16 * HD;
+  if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
+  uint32_t* qp = reinterpret_cast<uint32_t*>(scratch.data());
+  float* o = scratch.data() + NP * rp;
+  float* mx = o + rp * HD;
+  float* sum = mx + rp;
+  float* alpha = sum + rp;
+  int32_t* pos = reinterpret_cast<int32_t*>(alpha + rp);
+  float* s = reinterpret_cast<float*>(pos + rp);
+  uint32_t* pp = reinterpret_cast<uint32_t*>(s + kKeyBlock * 32);
+  uint32_t* vp = pp + 16 * 32;
+
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
+  for (int64_t r = 0; r < rp; ++r) {
+    if (r < rows) {
+      const uint32_t* qr = q32 + ((q_start + i0 + r / g) * H + kvh * g + r % g) * NP;
+      for (int64_t j = 0; j < NP; ++j) qp[j * rp + r] = qr[j];
+      pos[r] = static_cast<int32_t>(first_pos + i0 + r / g);
+    } else {  // padding rows: zero queries over every key (finite, never stored)
+      for (int64_t j = 0; j < NP; ++j) qp[j * rp + r] = 0;
+      pos[r] = static_cast<int32_t>(n - 1);
+    }
+    mx[r] = -std::numeric_limits<float>::infinity();
+    sum[r] = 0.f;
+  }
+  std::fill(o, o + rp * HD, 0.f);
+
+  const int64_t row_stride = Hkv * HD;
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(kc);
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(vc);
+  constexpr int64_t kLines = HD * 2 / 64;  // cache lines per row
+  const float c = scale * 1.4426950408889634f;  // scores in log2 units: softmax by exp2
+  const __m512 vc2 = _mm512_set1_ps(c);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // Interleave of two bf16 vectors' lanes: [a0, b0, a1, b1, ...] from cvtne2ps_pbh's [a | b].
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+
+  KeyCursor keys(kb, table, BS, row_stride, kvh * HD, lo);
+  int64_t taken = lo;
+  auto take = [&](const uint16_t** dst) {  // the next up-to-32 key rows, padded with the last; how many
+    const int64_t count = std::min<int64_t>(kKeyBlock, n - taken);
+    for (int64_t t = 0; t < count; ++t) {
+      dst[t] = keys.row();
+      if (++taken < n) keys.next();
+    }
+    for (int64_t t = count; t < kKeyBlock; ++t) dst[t] = dst[count - 1];
+    return count;
+  };
+  const uint16_t* kr[kKeyBlock];
+  const uint16_t* kn[kKeyBlock];
+  int64_t nk = take(kr);
+  for (int64_t k0 = lo; k0 < n; k0 += kKeyBlock) {
+    const int64_t nn = k0 + kKeyBlock < n ? take(kn) : 0;
+    for (int64_t t = 0; t < nn; ++t)
+      for (int64_t l = 0; l < kLines; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(kn[t] + 32 * l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vb + (kn[t] - kb) + 32 * l), _MM_HINT_T0);
+      }
+    // V's key pairs interleaved: vp[t][32 c + lane] holds (V[2t][d], V[2t+1][d]) with
+    // d = 32 c + the lane's dim in unpacklo/hi_epi16's order (see the store at the end).
+    for (int64_t t = 0; t < 16; ++t) {
+      const uint16_t* va = vb + (kr[2 * t] - kb);
+      const uint16_t* vb2 = vb + (kr[2 * t + 1] - kb);
+      for (int64_t cc = 0; cc < HD / 32; ++cc) {
+        const __m512i a = _mm512_loadu_si512(va + 32 * cc), b = _mm512_loadu_si512(vb2 + 32 * cc);
+        _mm512_storeu_si512(vp + t * HD + 32 * cc, _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(vp + t * HD + 32 * cc + 16, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+    const int64_t last_key = k0 + nk - 1;
+    for (int64_t r0 = 0; r0 < rp; r0 += 32) {
+      if (pos[r0 + 31] < k0) continue;  // every row of the tile precedes these keys
+      if (window > 0 && pos[r0] - window >= last_key) continue;  // every row's window starts after them
+      const bool masked = nk < kKeyBlock || last_key > pos[r0] || (window > 0 && k0 <= pos[r0 + 31] - window);
+      // Scores S^T [32 keys][32 rows], in log2 units.
+      for (int64_t kk = 0; kk < kKeyBlock; kk += 8) {
+        __m512 acc[8][2];
+        for (int u = 0; u < 8; ++u) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < NP; ++j) {
+          const __m512bh qa = (__m512bh)_mm512_loadu_si512(qp + j * rp + r0);
+          const __m512bh qb = (__m512bh)_mm512_loadu_si512(qp + j * rp + r0 + 16);
+          for (int u = 0; u < 8; ++u) {
+            const __m512bh kv = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(kr[kk + u])[j]);
+            acc[u][0] = _mm512_dpbf16_ps(acc[u][0], qa, kv);
+            acc[u][1] = _mm512_dpbf16_ps(acc[u][1], qb, kv);
+          }
+        }
+        for (int u = 0; u < 8; ++u) {
+          _mm512_storeu_ps(s + (kk + u) * 32, _mm512_mul_ps(acc[u][0], vc2));
+          _mm512_storeu_ps(s + (kk + u) * 32 + 16, _mm512_mul_ps(acc[u][1], vc2));
+        }
+      }
+      // Online softmax, 16 rows per vector.
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t rh = r0 + 16 * h;
+        const __m512i pv = _mm512_loadu_si512(pos + rh);
+        const __m512 m_old = _mm512_loadu_ps(mx + rh);
+        __m512 m_new = m_old;
+        for (int64_t k = 0; k < kKeyBlock; ++k) {
+          __m512 sv = _mm512_loadu_ps(s + k * 32 + 16 * h);
+          if (masked) {  // keys past a row's position, and the padding keys, weigh nothing
+            const __m512i key = _mm512_set1_epi32(int32_t(k0 + k));
+            __mmask16 hidden = k >= nk ? __mmask16(0xFFFF) : _mm512_cmpgt_epi32_mask(key, pv);
+            if (window > 0) hidden |= _mm512_cmple_epi32_mask(key, _mm512_sub_epi32(pv, _mm512_set1_epi32(int32_t(window))));
+            sv = _mm512_mask_mov_ps(sv, hidden, neg_inf);
+            _mm512_storeu_ps(s + k * 32 + 16 * h, sv);
+          }
+          m_new = _mm512_max_ps(m_new, sv);
+        }
+        // A row that has seen no key yet (a window starting past these keys) has m_new =
+        // -inf: subtract 0 instead, so its weights are ~0 and not NaN.
+        const __m512 m_sub = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+        const __m512 a = exp2_nonpositive16(_mm512_sub_ps(m_old, m_sub));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t t = 0; t < 16; ++t) {
+          const __m512 p0 = exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + 2 * t * 32 + 16 * h), m_sub));
+          const __m512 p1 = exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + (2 * t + 1) * 32 + 16 * h), m_sub));
+          total = _mm512_add_ps(total, _mm512_add_ps(p0, p1));
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0 lanes | p1 lanes]
+          _mm512_storeu_si512(pp + t * 32 + 16 * h, _mm512_permutexvar_epi16(interleave, both));
+        }
+        _mm512_storeu_ps(sum + rh, _mm512_fmadd_ps(_mm512_loadu_ps(sum + rh), a, total));
+        _mm512_storeu_ps(mx + rh, m_new);
+        _mm512_storeu_ps(alpha + rh, a);
+      }
+      // O = O * alpha + P V for the tile's rows, PR rows at a time.
+      const int64_t pairs = (nk + 1) / 2;
+      for (int64_t r = r0; r < r0 + 32; r += PR) {
+        __m512 acc[PR][NV];
+        for (int64_t i = 0; i < PR; ++i) {
+          const __m512 a = _mm512_set1_ps(alpha[r + i]);
+          for (int64_t v = 0; v < NV; ++v) acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (r + i) * HD + 16 * v), a);
+        }
+        for (int64_t t = 0; t < pairs; ++t) {
+          __m512bh pb[PR];
+          for (int64_t i = 0; i < PR; ++i) pb[i] = (__m512bh)_mm512_set1_epi32(int32_t(pp[t * 32 + (r - r0) + i]));
+          for (int64_t v = 0; v < NV; ++v) {
+            const __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + t * HD + 16 * v);
+            for (int64_t i = 0; i < PR; ++i) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pb[i], vv);
+          }
+        }
+        for (int64_t i = 0; i < PR; ++i)
+          for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(o + (r + i) * HD + 16 * v, acc[i][v]);
+      }
+    }
+    std::copy(kn, kn + kKeyBlock, kr);
+    nk = nn;
+  }
+  // out = O / sum, the dims put back in order: within each 32, float lane p came from
+  // unpacklo (p < 16) or unpackhi (p >= 16) of 128-bit lane L = (p % 16) / 4.
+  uint16_t* ob = reinterpret_cast<uint16_t*>(out);
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* dst = ob + ((q_start + i0 + r / g) * H + kvh * g + r % g) * HD;
+    const float inv = 1.f / sum[r];
+    const float* orow = o + r * HD;
+    for (int64_t cc = 0; cc < HD; cc += 32)
+      for (int64_t p = 0; p < 32; ++p) {
+        const int64_t lane = p % 16;
+        const int64_t d = 8 * (lane / 4) + lane % 4 + (p >= 16 ? 4 : 0);
+        dst[cc + d] = bf16_bits(orow[cc + p] * inv);
+      }
+  }
+}
 #endif
 
 struct Item {
   int64_t seq, h0, h1, i0, i1, cost;  // KV heads [h0, h1), query tokens [i0, i1)
+  bool blocked;                        // takes attend_block_bf16
 };
 
 template <typename T>
 void paged_attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                           const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                           const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
-                          int64_t window, int64_t q_chunk, int64_t skip_over, int64_t skip_context,
-                          int64_t few_rows) {
+                          int64_t window, int64_t q_chunk, int64_t skip_over, int64_t few_rows,
+                          int64_t block_over) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), Hkv = key_cache.size(2);
   const int64_t S = seq_lens.size(0), max_blocks = block_tables.size(1);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  // A chunk of more than skip_over new tokens (skip_over > 0) with a context over
-  // skip_context is the caller's (torch's flash kernel).
-  auto skipped = [&](int64_t q_len, int64_t ctx) { return skip_over > 0 && q_len > skip_over && ctx > skip_context; };
+  // A chunk of more than skip_over new tokens (skip_over > 0) is the caller's (torch's
+  // flash kernel: float32).
+  auto skipped = [&](int64_t q_len) { return skip_over > 0 && q_len > skip_over; };
   // Work items: a sequence's chunk of query tokens, for one KV head, or for all of them
   // when there are items enough to keep every thread busy (4 per thread): one thread then
   // reads each cached token's K/V rows of every head, adjacent in memory, in one go.
+  // bf16 chunks of more than block_over query rows (new tokens x the KV head's group;
+  // block_over > 0) take the blocked loop, in items of up to kBlockRows rows.
+  bool block_ok = false;
+#if defined(__AVX512BF16__)
+  block_ok = std::is_same_v<T, c10::BFloat16> && block_over > 0 && (D == 64 || D == 128 || D == 256);
+#endif
+  auto blocked = [&](int64_t q_len) { return block_ok && q_len * (H / Hkv) > block_over; };
+  const int64_t block_chunk = std::max<int64_t>(1, kBlockRows / (H / Hkv));
+  auto chunk_of = [&](int64_t q_len) { return blocked(q_len) ? block_chunk : q_chunk; };
   int64_t chunks = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];
-    if (!skipped(q_len, lens[s])) chunks += (q_len + q_chunk - 1) / q_chunk;
+    if (!skipped(q_len)) chunks += (q_len + chunk_of(q_len) - 1) / chunk_of(q_len);
   }
   const bool whole_heads = chunks >= 4 * at::get_num_threads();
   std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];
-    if (skipped(q_len, lens[s])) continue;  // the caller attends this chunk
-    for (int64_t i0 = 0; i0 < q_len; i0 += q_chunk) {
-      const int64_t i1 = std::min(q_len, i0 + q_chunk);
+    if (skipped(q_len)) continue;  // the caller attends this chunk
+    const bool b = blocked(q_len);
+    const int64_t step = chunk_of(q_len);
+    for (int64_t i0 = 0; i0 < q_len; i0 += step) {
+      const int64_t i1 = std::min(q_len, i0 + step);
+      // Cost: the rows times the keys they see (causal: the chunk's keys up to its last row).
+      const int64_t keys = lens[s] - q_len + i1;
       if (whole_heads) {
-        items.push_back({s, 0, Hkv, i0, i1, (i1 - i0) * lens[s] * Hkv});
+        items.push_back({s, 0, Hkv, i0, i1, (i1 - i0) * keys * Hkv, b});
       } else {
-        for (int64_t h = 0; h < Hkv; ++h) items.push_back({s, h, h + 1, i0, i1, (i1 - i0) * lens[s]});
+        for (int64_t h = 0; h < Hkv; ++h) items.push_back({s, h, h + 1, i0, i1, (i1 - i0) * keys, b});
       }
     }
   }
@@ -527,6 +766,13 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& query, const 
   attend_item<T, HD>(q, kc, vc, table, o, lens[w.seq], q_len, w.i0, w.i1, qsl[w.seq], kvh, H, Hkv, D, BS, sc, window, scratch)
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#define PAGODA_BLOCK(HD) \
+  attend_block_bf16<HD>(q, kc, vc, table, o, lens[w.seq], q_len, w.i0, w.i1, qsl[w.seq], kvh, H, Hkv, BS, sc, window, \
+                        scratch)
+        if (w.blocked && D == 64) { PAGODA_BLOCK(64); continue; }
+        if (w.blocked && D == 128) { PAGODA_BLOCK(128); continue; }
+        if (w.blocked && D == 256) { PAGODA_BLOCK(256); continue; }
+#undef PAGODA_BLOCK
         const bool few = (w.i1 - w.i0) * (H / Hkv) <= std::min(few_rows, kFewRows);
 #define PAGODA_ROWS(HD) \
   attend_rows_bf16<HD>(q, kc, vc, table, o, lens[w.seq], q_len, w.i0, w.i1, qsl[w.seq], kvh, H, Hkv, BS, sc, window, scratch)
@@ -555,13 +801,14 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& query, const 
 
 // Attention of a batch of decodes and prefill chunks, K/V read in place through the block
 // tables. q_chunk: query tokens per work item; a chunk of more than skip_over new tokens
-// (when > 0) with a context over skip_context is skipped (the caller attends it); bf16
-// items of up to few_rows query rows (at most kFewRows; 0: none) take attend_rows_bf16,
-// the rest attend_item.
+// (when > 0) is skipped (the caller attends it). bf16 on AVX512-BF16 builds: a chunk of
+// more than block_over query rows (tokens x the KV head's group; 0: none) takes
+// attend_block_bf16 in items of up to kBlockRows rows; items of up to few_rows query rows
+// (at most kFewRows; 0: none) take attend_rows_bf16; the rest attend_item.
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
-                     int64_t sliding_window, int64_t q_chunk, int64_t skip_over, int64_t skip_context,
-                     int64_t few_rows) {
+                     int64_t sliding_window, int64_t q_chunk, int64_t skip_over, int64_t few_rows,
+                     int64_t block_over) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous(),
               "paged_attention: contiguous query, caches and out expected");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -572,10 +819,10 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
   auto bt = block_tables.contiguous();
   if (query.scalar_type() == at::kFloat) {
     paged_attention_impl<float>(out, query, key_cache, value_cache, bt, seq_lens, query_start_loc, scale,
-                                sliding_window, q_chunk, skip_over, skip_context, few_rows);
+                                sliding_window, q_chunk, skip_over, few_rows, block_over);
   } else if (query.scalar_type() == at::kBFloat16) {
     paged_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, bt, seq_lens, query_start_loc, scale,
-                                        sliding_window, q_chunk, skip_over, skip_context, few_rows);
+                                        sliding_window, q_chunk, skip_over, few_rows, block_over);
   } else {
     TORCH_CHECK(false, "paged_attention: float32 or bfloat16 expected, got ", query.scalar_type());
   }

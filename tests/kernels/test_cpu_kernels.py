@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 def test_the_kernels_build_here():
     assert cpu_kernels.load() is not None, cpu_kernels.unavailable_reason()
 
-LONG = cpu_kernels.SHORT_CHUNK + 9  # a chunk long enough for the flash-attention route
+# A chunk long enough for the flash-attention route (float32) and the blocked loop (bf16:
+# 25 tokens x every group here are more than BLOCK_MIN_ROWS query rows).
+LONG = cpu_kernels.SHORT_CHUNK + 9
 
 BATCHES = {
     "decodes": [(1, 1), (17, 1), (33, 1), (100, 1)],
@@ -44,8 +46,10 @@ def test_paged_attention_equals_dense_reference(name, heads, kv_heads, head_dim,
     assert_close_to_reference(out, batch, window)
 
 
-# bf16 decodes and chunks of up to 8 query rows per KV head take the few-row kernel
-# (attend_rows_bf16: vdpbf16ps scores, prefetched keys); more rows take attend_item.
+# bf16 decodes and short chunks take the few-row kernel (attend_rows_bf16: vdpbf16ps
+# scores, prefetched keys) in items of up to 8 query rows per KV head; chunks of more than
+# BLOCK_MIN_ROWS query rows (the LONG ones, windowed or not) take the blocked loop
+# (attend_block_bf16).
 @pytest.mark.parametrize("name", BATCHES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 8, 128), (4, 1, 256)])
 @pytest.mark.parametrize("window", [None, 5, 40])
@@ -169,14 +173,17 @@ def test_bf16_gemv_odd_shapes_and_thread_split():
     assert cpu_kernels.bf16_linear(x[:0], weight).shape == (0, weight.shape[0])
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)])
-def test_paged_attention_bf16_long_context_chunk_takes_flash(heads, kv_heads):
-    # Past FEW_ROWS_MAX_CONTEXT a bf16 chunk goes to the flash route, its cached prefix
-    # attended with each KV head's query heads folded into rows; a decode beside it stays in C++.
-    ctx = cpu_kernels.FEW_ROWS_MAX_CONTEXT + 80
-    batch = make_batch([(ctx, 40), (ctx - 30, 1)], num_heads=heads, num_kv_heads=kv_heads, head_dim=64,
-                       block_size=16, dtype=torch.bfloat16, block_order="shuffled")
-    assert_close_to_reference(cpu_kernels.paged_attention(*batch.args(), batch.scale), batch)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128)])
+@pytest.mark.parametrize("window", [None, 300])
+def test_paged_attention_bf16_blocked_loop_over_a_long_context(heads, kv_heads, head_dim, window):
+    # Chunks of many tiles and key blocks through the blocked loop: after 1000 cached tokens
+    # (a window of 300 starting past the cached prefix's first blocks), a whole 150-token
+    # prompt (its tiles skip the key blocks past their rows), and a decode beside them on
+    # the few-row loop.
+    batch = make_batch([(1040, 40), (150, 150), (1010, 1)], num_heads=heads, num_kv_heads=kv_heads,
+                       head_dim=head_dim, block_size=16, dtype=torch.bfloat16, block_order="shuffled")
+    assert_close_to_reference(cpu_kernels.paged_attention(*batch.args(), batch.scale, sliding_window=window), batch,
+                              window)
 
 
 @gemv
