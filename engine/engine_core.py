@@ -12,14 +12,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.default_model import resolve_model_path
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.executor import TensorParallelError, TensorParallelExecutor
-from engine.loader import load_hf_config
+from engine.loader import load_hf_config, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.models.llama import ModelArgs
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -68,7 +67,7 @@ class EngineCore:
         self.config = config
         mc, cc = config.model, config.cache
         self.model_path = resolve_model_path(mc.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.tokenizer = load_tokenizer(self.model_path)
         # Tensor parallelism: the worker ranks start here; rank 0's Worker holds its shard.
         self.executor: TensorParallelExecutor | None = None
         if config.parallel.tensor_parallel_size > 1:

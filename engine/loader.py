@@ -39,6 +39,36 @@ def load_hf_config(path: Path):
     return cfg
 
 
+def load_tokenizer(path: Path):
+    """The folder's tokenizer, as `AutoTokenizer.from_pretrained` gives it.
+
+    Where tokenizer_config.json names a tokenizers-backed class (`TokenizersBackend`,
+    `Qwen2Tokenizer`, ...) and tokenizer.json is there, that class is loaded directly: it
+    is the class AutoTokenizer resolves from the same field, and importing AutoTokenizer's
+    module costs ~2 s per process (transformers builds the docstrings of its auto classes
+    at import), which every server start and worker paid. Anything else (no such field,
+    a slow or remote-code tokenizer) goes through AutoTokenizer itself."""
+    import transformers
+
+    path = Path(path)
+    try:
+        name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    backend = getattr(transformers, "TokenizersBackend", None)
+    cls = None
+    if isinstance(name, str) and name.isidentifier() and backend is not None and (path / "tokenizer.json").is_file():
+        try:
+            cls = getattr(transformers, name, None)
+        except ImportError:  # a tokenizer whose optional dependency is missing
+            cls = None
+    if isinstance(cls, type) and issubclass(cls, backend):
+        return cls.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def load_model(
     path: Path,
     dtype: torch.dtype,

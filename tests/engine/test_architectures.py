@@ -151,3 +151,28 @@ def test_impossible_splits_stay_clear():
     args = ModelArgs.from_hf_config(hf_config("gemma3"))
     with pytest.raises(ValueError, match=r"do not divide the model's 2 attention heads \(sizes that can: 1, 2\)"):
         check_split(args, 4, None)
+
+
+def test_tokenizer_loads_as_auto_tokenizer_gives_it(default_model_files, tmp_path):
+    # engine/loader.py's load_tokenizer loads the class tokenizer_config.json names without
+    # importing AutoTokenizer (seconds of every server start); a folder without that field
+    # goes through AutoTokenizer. Either way: AutoTokenizer's class, tokens and chat text.
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from engine.loader import load_tokenizer
+
+    bare = tmp_path / "no-class"
+    shutil.copytree(default_model_files, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    assert config.pop("tokenizer_class")
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = [{"role": "user", "content": "Hello there, <b>world</b>!"}]
+    for folder in (default_model_files, bare):
+        want, got = AutoTokenizer.from_pretrained(str(folder)), load_tokenizer(folder)
+        assert type(got) is type(want)
+        assert got.encode("Hello there, <b>world</b>! ünïcode 12345") == want.encode("Hello there, <b>world</b>! ünïcode 12345")
+        assert got.apply_chat_template(chat, tokenize=False) == want.apply_chat_template(chat, tokenize=False)
+        assert (got.eos_token_id, got.bos_token_id) == (want.eos_token_id, want.bos_token_id)
