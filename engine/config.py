@@ -130,7 +130,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one step (decodes + prefill chunks)."""
     long_prefill_token_threshold: int | None = None
-    """Longest prefill chunk of one request in one step; none: on CPU 512 tokens, scaled down as the request's context grows (by w / (w + context), w the context length whose attention takes as long as the decoder linears: ~770 tokens for the bundled model), so a step with a chunk costs about the same at any context and a long prompt stalls the streams decoding beside it by a bounded time; on CUDA the whole budget."""
+    """Longest prefill chunk of one request in one step; none: on CPU 512 tokens, scaled down as the request's context grows (by w / (w + context), w the context length whose attention takes as long as the decoder linears: for the bundled model ~2460 tokens in bf16 on AVX512-BF16 CPUs, ~770 elsewhere), so a step with a chunk costs about the same at any context and a long prompt stalls the streams decoding beside it by a bounded time; on CUDA the whole budget."""
     scheduling_policy: str = "fair"
     """Order of the waiting queue: fair (by request priority, lower first, then the tenant - API key - with the least recent use of the engine, then arrival; preemption takes the last in that order, and a tenant below its share of --max-num-seqs may preempt one above it) or fcfs (arrival order only; a request priority other than 0 is refused)."""
 
