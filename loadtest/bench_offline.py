@@ -107,6 +107,22 @@ def measure_bandwidth_gbs(dtype: torch.dtype, megabytes: int = 256, repeats: int
     return best
 
 
+def measure_read_bandwidth_gbs(megabytes: int = 256, repeats: int = 5, buffers: int = 3) -> float:
+    """Memory read bandwidth in GB/s (1e9 bytes): nbytes / t, t = median time of `src.sum()`
+    over a float32 tensor of `megabytes` MB (a pure read stream, as a decode step's weight
+    reads are; the sum's arithmetic is far below the memory time), best of `buffers`
+    tensors as for the copy. Here reads stream at less than a copy's read+write bytes per
+    second (e.g. 27.6 against 31.4 GB/s, 2 threads, same minute), so a decode step's
+    bound is given against both."""
+    numel = megabytes * 1024 * 1024 // 4
+    tensors = [torch.ones(numel) for _ in range(buffers)]
+    best = 0.0
+    for src in tensors:
+        t = _median_seconds(lambda: src.sum(), repeats)
+        best = max(best, src.numel() * 4 / t / 1e9)
+    return best
+
+
 def measure_matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, min_seconds: float = 0.2) -> float:
     """Matmul rate in GFLOP/s: 2*M*N*K / t, t = median time of [M,K] @ [K,N], the faster of
     torch's default GEMM (`torch.mm`: MKL on CPU) and oneDNN with a prepacked weight (what
@@ -144,12 +160,14 @@ def measure_machine(dtype: torch.dtype, shaped_batch: int, when: str) -> dict[st
     log(f"machine ({when}): memory bandwidth, matmul 2048^3, matmul [{shaped_batch}x576]@[576x1536] ...")
     limits = {
         "bandwidth_gbs": measure_bandwidth_gbs(dtype),
+        "read_bandwidth_gbs": measure_read_bandwidth_gbs(),
         "matmul_peak_gflops": measure_matmul_gflops(2048, 2048, 2048, dtype),
         # The shape of a batch's MLP up-projection: how far below peak small matmuls run.
         "matmul_shaped_gflops": measure_matmul_gflops(shaped_batch, 576, 1536, dtype),
     }
     log(
-        f"machine ({when}): {limits['bandwidth_gbs']:.1f} GB/s, {limits['matmul_peak_gflops']:.1f} GFLOP/s peak, "
+        f"machine ({when}): {limits['bandwidth_gbs']:.1f} GB/s copy, {limits['read_bandwidth_gbs']:.1f} GB/s read, "
+        f"{limits['matmul_peak_gflops']:.1f} GFLOP/s peak, "
         f"{limits['matmul_shaped_gflops']:.1f} GFLOP/s model-shaped"
     )
     return limits
@@ -532,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         return f"start {machine_start[key]:.0f}, end {machine_end[key]:.0f}"
 
     report.add(f"memory bandwidth (copy_, 256 MB, read+write; {samples('bandwidth_gbs')})", bandwidth, "GB/s")
+    read_bandwidth = machine["read_bandwidth_gbs"]
+    report.add(f"memory read bandwidth (sum, 256 MB; {samples('read_bandwidth_gbs')})", read_bandwidth, "GB/s")
     report.add(f"matmul peak ({args.dtype} 2048x2048x2048; {samples('matmul_peak_gflops')})", peak, "GFLOP/s")
     report.add(
         f"matmul model-shaped ([{shaped_b}x576]@[576x1536]; {samples('matmul_shaped_gflops')})",
@@ -585,6 +605,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{frac:.0%} of bandwidth bound",
                 f">= {GOAL_BANDWIDTH_FRACTION:.0%}",
                 _check(frac, GOAL_BANDWIDTH_FRACTION),
+            )
+            # The same step against the read stream's bound (the step's traffic is reads).
+            read_bound_s = weight_bytes / (read_bandwidth * 1e9)
+            read_frac = read_bound_s / decode[1].step_s
+            raw["roofline_read_bandwidth"] = {"bound_s": read_bound_s, "step_s": decode[1].step_s, "fraction": read_frac}
+            report.add(
+                f"batch-1 decode step against the read bandwidth (bound {read_bound_s * 1e3:.2f} ms)",
+                decode[1].step_s * 1e3,
+                "ms",
+                f"{read_frac:.0%} of read bandwidth bound",
+                f">= {GOAL_BANDWIDTH_FRACTION:.0%}",
+                _check(read_frac, GOAL_BANDWIDTH_FRACTION),
             )
         big = max(args.batch_sizes)
         if big in decode:
