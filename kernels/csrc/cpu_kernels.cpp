@@ -304,15 +304,18 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(xy, zw, 0x88), _mm512_shuffle_f32x4(xy, zw, 0xDD));
 }
 
-// Walks the keys of one KV head in position order through the block table: the cache row
-// of each, without a division per key.
+// Walks the keys of one KV head in position order through the block table, from key k:
+// the cache row of each, without a division per key. `take` hands out the rows of the
+// next keys in groups, `count` keys in all.
 struct KeyCursor {
   const uint16_t* cache;
   const int32_t* table;
-  int64_t BS, row_stride, head_offset, block, offset;
+  int64_t BS, row_stride, head_offset, block, offset, left;
   const uint16_t* base;
-  KeyCursor(const uint16_t* cache_, const int32_t* table_, int64_t BS_, int64_t row_stride_, int64_t head_offset_, int64_t k)
-      : cache(cache_), table(table_), BS(BS_), row_stride(row_stride_), head_offset(head_offset_), block(k / BS_), offset(k % BS_) {
+  KeyCursor(const uint16_t* cache_, const int32_t* table_, int64_t BS_, int64_t row_stride_, int64_t head_offset_, int64_t k,
+            int64_t count = 0)
+      : cache(cache_), table(table_), BS(BS_), row_stride(row_stride_), head_offset(head_offset_), block(k / BS_),
+        offset(k % BS_), left(count) {
     base = cache + table[block] * BS * row_stride + head_offset;
   }
   const uint16_t* row() const { return base + offset * row_stride; }
@@ -321,6 +324,17 @@ struct KeyCursor {
       offset = 0;
       base = cache + table[++block] * BS * row_stride + head_offset;
     }
+  }
+  // The rows of the next up-to-`most` keys into dst[0, most), the slots past the last key
+  // padded with its row (a loop over whole groups then reads only real rows); how many keys.
+  int64_t take(const uint16_t** dst, int64_t most) {
+    const int64_t count = std::min(most, left);
+    for (int64_t t = 0; t < count; ++t) {
+      dst[t] = row();
+      if (--left > 0) next();
+    }
+    for (int64_t t = count; t < most && count > 0; ++t) dst[t] = dst[count - 1];
+    return count;
   }
 };
 
@@ -379,26 +393,16 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
       if (k + 1 < m) all.next();
     }
   }
-  KeyCursor keys(kb, table, BS, row_stride, kvh * HD, lo);
-  int64_t taken = 0;  // keys the cursor has handed out
-  auto take16 = [&](const uint16_t** dst) {  // the next up-to-16 key rows; how many
-    const int64_t count = std::min<int64_t>(16, n - taken);
-    for (int64_t t = 0; t < count; ++t) {
-      dst[t] = keys.row();
-      if (++taken < n) keys.next();
-    }
-    return count;
-  };
-  const uint16_t* kp[16];
+  KeyCursor keys(kb, table, BS, row_stride, kvh * HD, lo, n);
+  const uint16_t* kp[16];  // padding: scores past n are never read
   const uint16_t* kn[16];
-  int64_t nk = take16(kp);
+  int64_t nk = keys.take(kp, 16);
   for (int64_t k0 = 0; k0 < n; k0 += 16) {
-    const int64_t nn = take16(kn);
+    const int64_t nn = keys.take(kn, 16);
     for (int64_t t = 0; t < nn; ++t)
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(kn[t] + 32 * c), _MM_HINT_T0);
     for (int64_t t = 0; t < nk; ++t)
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(vb + (kp[t] - kb) + 32 * c), _MM_HINT_T1);
-    for (int64_t t = nk; t < 16; ++t) kp[t] = kp[nk - 1];  // padding: scores past n are never read
     for (int64_t r = 0; r < rows; ++r) {
       const uint16_t* qr = q_row(r);
       __m512bh qv[NQ];
@@ -411,7 +415,7 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
       }
       _mm512_storeu_ps(s + r * stride + k0, _mm512_mul_ps(sum16(dots), vscale));
     }
-    std::copy(kn, kn + nn, kp);
+    std::copy(kn, kn + 16, kp);
     nk = nn;
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -560,22 +564,12 @@ void attend_block_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c1
                                                         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(kInterleave);
 
-  KeyCursor keys(kb, table, BS, row_stride, kvh * HD, lo);
-  int64_t taken = lo;
-  auto take = [&](const uint16_t** dst) {  // the next up-to-32 key rows, padded with the last; how many
-    const int64_t count = std::min<int64_t>(kKeyBlock, n - taken);
-    for (int64_t t = 0; t < count; ++t) {
-      dst[t] = keys.row();
-      if (++taken < n) keys.next();
-    }
-    for (int64_t t = count; t < kKeyBlock; ++t) dst[t] = dst[count - 1];
-    return count;
-  };
-  const uint16_t* kr[kKeyBlock];
+  KeyCursor keys(kb, table, BS, row_stride, kvh * HD, lo, n - lo);
+  const uint16_t* kr[kKeyBlock];  // padding keys: masked, their probabilities 0
   const uint16_t* kn[kKeyBlock];
-  int64_t nk = take(kr);
+  int64_t nk = keys.take(kr, kKeyBlock);
   for (int64_t k0 = lo; k0 < n; k0 += kKeyBlock) {
-    const int64_t nn = k0 + kKeyBlock < n ? take(kn) : 0;
+    const int64_t nn = keys.take(kn, kKeyBlock);
     for (int64_t t = 0; t < nn; ++t)
       for (int64_t l = 0; l < kLines; ++l) {
         _mm_prefetch(reinterpret_cast<const char*>(kn[t] + 32 * l), _MM_HINT_T0);
