@@ -111,9 +111,9 @@ def measure_read_bandwidth_gbs(megabytes: int = 256, repeats: int = 5, buffers: 
     """Memory read bandwidth in GB/s (1e9 bytes): nbytes / t, t = median time of `src.sum()`
     over a float32 tensor of `megabytes` MB (a pure read stream, as a decode step's weight
     reads are; the sum's arithmetic is far below the memory time), best of `buffers`
-    tensors as for the copy. Here reads stream at less than a copy's read+write bytes per
-    second (e.g. 27.6 against 31.4 GB/s, 2 threads, same minute), so a decode step's
-    bound is given against both."""
+    tensors as for the copy. On this project's VM a read stream can run below a copy's
+    read+write bytes per second (docs/BENCHMARKS.md), so the batch-1 step's bound is
+    given against both."""
     numel = megabytes * 1024 * 1024 // 4
     tensors = [torch.ones(numel) for _ in range(buffers)]
     best = 0.0
