@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_bytes
 from engine.loader import load_hf_config, load_model
 from engine.memory import profile_kv_cache_budget, take_snapshot
-from engine.models.llama import Linear, LlamaForCausalLM, ModelArgs, prepack_linears
+from engine.models.llama import FusedDecodeLayers, Linear, LlamaForCausalLM, ModelArgs, prepack_linears
 from engine.prompt_logprobs import PromptLogprobRows, chunked_logits
 from kernels.linear import GEMV_MAX_ROWS, gemv_unavailable_reason
 from kernels.ops import KernelOps, get_ops
@@ -65,6 +65,8 @@ class Worker:
         snapshot = take_snapshot(self.device) if self._profiles_memory else None
         self.model, self.layout = self._load()
         self.num_packed_linears, self.num_shared_linears = prepack_linears(self.model)  # on CPU, oneDNN's weight layout: the fast GEMM/GEMV
+        if self.device.type == "cpu" and self.layout is None and isinstance(self.model, LlamaForCausalLM):  # one process's whole model, bf16 GEMV linears
+            self.model.fused_decode = FusedDecodeLayers.build(self.model)
         self.ops: KernelOps = get_ops(config.kernel.kernel_backend, self.device)
         spec = KVCacheSpec.from_model(self.args, self.dtype, config.cache.block_size)
         self.kv_spec = self.layout.kv_cache_spec(spec) if self.layout is not None else spec  # this rank's KV heads
@@ -180,6 +182,14 @@ class Worker:
                 shared = (f"; {gemv} bf16 linears also keep their dense weight for the AVX512-BF16 GEMV of calls "
                           f"up to {GEMV_MAX_ROWS} rows{tied} (PAGODA_CPU_GEMV=0: one copy)")
             facts["linears"] = f"oneDNN-packed {self.num_packed_linears} of {num_float} float linears{shared}"
+        if self.device.type == "cpu":
+            fused = getattr(self.model, "fused_decode", None)
+            facts["decode_layers"] = (
+                f"one C++ call for all {a.num_hidden_layers} layers in steps of up to {fused.max_rows} bf16 rows "
+                "(PAGODA_CPU_FUSED_DECODE=0: the per-op forward)" if fused is not None
+                else "the per-op forward (the fused C++ call takes Llama/Mistral/Qwen2 blocks in bf16 with GEMV, "
+                     "int4 or int8 linears on an AVX512-BF16 CPU, in one process)"
+            )
         return facts
 
     def prefill_context_weight(self) -> int:

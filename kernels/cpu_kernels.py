@@ -167,6 +167,30 @@ def bf16_silu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: to
                     down_weight.shape[0])
 
 
+def bf16_decode_layers(x: torch.Tensor, layer_tensors: list[torch.Tensor], kinds: list[int],
+                       kv_caches: list[torch.Tensor], windows: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                       positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       scale: float, eps: float) -> None:
+    """A decode step's Llama-style decoder layers for a few bf16 rows in one call
+    (csrc/cpu_kernels.cpp `bf16_decode_layers`): x [M, hidden], the embeddings, becomes the
+    last layer's output in place. The same kernels, order and rounding as the model's
+    per-op forward (`add_rms_norm`, the linears' kernels, `rotary`, `reshape_and_cache`,
+    `paged_attention` on its bf16 route, the MLP's SiLU), so the result is bit-identical
+    to it, without ~10 Python calls per layer.
+
+    `layer_tensors`: 14 per layer: input norm; qkv and o as (weight, bias, scales);
+    post-attention norm; gate_up and down as (weight, bias, scales), an empty tensor for
+    a missing bias or scales. `kinds`: each layer's 4 linears: 0 a dense bf16 weight (the
+    GEMV), G > 0 torch's CPU int4 layout with group size G, -1 int8 with bf16 row scales.
+    `kv_caches`: key, value per layer; `windows`: each layer's sliding window (0: none).
+    Only where `bf16_gemv_available()` and `few_rows_q_chunk` is not None for the head
+    dim (engine/models/llama.py `FusedDecodeLayers` checks both)."""
+    load().bf16_decode_layers(x, layer_tensors, kinds, kv_caches, windows, cos, sin, positions, slot_mapping,
+                              block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, scale, eps,
+                              _few_rows_per_item(num_heads, num_kv_heads), FEW_ROWS, BLOCK_MIN_ROWS)
+
+
 def _rowwise(kernel, x: torch.Tensor, n: int) -> torch.Tensor:
     """`kernel(out, rows)` on x's rows as one contiguous [M, K] matrix into a new [M, n]
     output, returned in x's leading shape."""
@@ -229,7 +253,12 @@ def few_rows_q_chunk(query: torch.Tensor, num_kv_heads: int) -> int | None:
     AVX512-BF16."""
     if not blocked_attention_runs(query.dtype, query.shape[-1]):
         return None
-    return max(1, FEW_ROWS // (query.shape[1] // num_kv_heads))
+    return _few_rows_per_item(query.shape[1], num_kv_heads)
+
+
+def _few_rows_per_item(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per few-row work item: at most FEW_ROWS rows of the KV head's group."""
+    return max(1, FEW_ROWS // (num_heads // num_kv_heads))
 
 
 def _attend_long_chunk(out, query, key_cache, value_cache, table, ctx: int, start: int, end: int,

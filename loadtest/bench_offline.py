@@ -29,7 +29,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Goals of issue 2 (ratios measured in one run).
 GOAL_VS_HF_STATIC = 2.0  # Pagoda batch 32 tok/s >= 2x HF static batch 32
-GOAL_BANDWIDTH_FRACTION = 0.60  # batch-1 decode >= 60% of the bandwidth bound
+GOAL_BANDWIDTH_FRACTION = 0.75  # batch-1 decode >= 75% of the bandwidth bound (issue 23; issue 2 asked 60%)
 GOAL_FLOP_FRACTION = 0.50  # largest batch decode >= 50% of the FLOP bound
 GOAL_MAX_OVERHEAD = 0.10  # per-step engine overhead <= 10% of the step
 

@@ -16,6 +16,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.models.args import ModelArgs, rope_inv_freq
 from kernels.elementwise import rms_norm, rotate_half
+from kernels import cpu_kernels
 from kernels.cpu_kernels import bf16_linear, bf16_silu_mlp
 from kernels.linear import GEMV_MAX_ROWS, gemv_enabled, gemv_takes, linear, pack_weight, packed_linear
 from kernels.ops import KernelOps
@@ -275,6 +276,124 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+class FusedDecodeLayers:
+    """Every decoder layer of a decode step in one C++ call (kernels/cpu_kernels.py
+    `bf16_decode_layers`), for the few bf16 rows the decode linears' small-batch kernels
+    take: the bf16 GEMV on dense weights, torch's int4 and int8 CPU kernels on quantized ones.
+
+    At batch 1 the bundled model's bf16 step streams ~270 MB of weights, ~8 ms at this
+    project's VM's bandwidth, and the per-op forward adds ~10 Python calls per layer (each
+    a pybind or dispatcher call and new tensor objects): ~30% of the step over 30 layers.
+    The C++ call runs the same kernels in the same order with the same rounding, so its
+    output is bit-identical (tests/engine/test_fused_decode.py); the model's Python stays
+    the reference and runs every other step (prefill, larger batches, float32, tensor
+    parallelism, other quantized layouts).
+
+    `build` returns None unless every layer is the plain Llama block of this module
+    (Llama, Mistral, Qwen2: no q/k norms, a SiLU MLP) whose linears are each a GEMV
+    `Linear`, an `Int4Linear` in torch's CPU layout or an `Int8Linear` with bf16 scales,
+    the head dim one the C++ attention's bf16 loops take, and the C++ kernels built with
+    AVX512-BF16. `PAGODA_CPU_FUSED_DECODE=0` turns it off (the per-op path, for A/B runs)."""
+
+    def __init__(self, model: "LlamaForCausalLM", max_rows: int) -> None:
+        args = model.args
+        self.max_rows = max_rows
+        self.num_heads, self.num_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = args.attention_scale
+        self.eps = args.rms_norm_eps
+        self.tensors: list[torch.Tensor] = []
+        self.kinds: list[int] = []
+        self.windows: list[int] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.tensors.append(layer.input_layernorm.weight.data)
+            for linear in (attn.qkv_proj, attn.o_proj):
+                self._add_linear(linear)
+            self.tensors.append(layer.post_attention_layernorm.weight.data)
+            for linear in (mlp.gate_up_proj, mlp.down_proj):
+                self._add_linear(linear)
+            self.windows.append(int(attn.sliding_window or 0))
+        self.rope = model.rope
+
+    def _add_linear(self, linear: nn.Module) -> None:
+        none = torch.empty(0, dtype=torch.bfloat16)
+        bias = none if linear.bias is None else linear.bias
+        if type(linear) is Linear:
+            self.tensors += [linear.weight, bias, none]
+            self.kinds.append(0)
+        elif _is_cpu_int4(linear):
+            self.tensors += [linear.qweight, bias, linear.scales_and_zeros]
+            self.kinds.append(linear.group_size)
+        else:  # an Int8Linear (`_decode_kernel_runs`)
+            self.tensors += [linear.qweight, bias, linear.scales]
+            self.kinds.append(-1)
+
+    @classmethod
+    def build(cls, model: "LlamaForCausalLM") -> "FusedDecodeLayers | None":
+        import os
+
+        if os.environ.get("PAGODA_CPU_FUSED_DECODE", "1") == "0" or not cpu_kernels.bf16_gemv_available():
+            return None
+        args = model.args
+        if (type(model).layer_ropes is not LlamaForCausalLM.layer_ropes or type(model).embed is not LlamaForCausalLM.embed
+                or not isinstance(model.rope, RotaryEmbedding) or args.qk_norm
+                or not cpu_kernels.blocked_attention_runs(torch.bfloat16, args.head_dim)):
+            return None
+        max_rows = GEMV_MAX_ROWS
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
+                    or mlp.act is not F.silu
+                    or any(type(n) is not RMSNorm or n.eps != args.rms_norm_eps or n.weight.dtype != torch.bfloat16
+                           for n in norms)):
+                return None
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if not _decode_kernel_runs(linear):
+                    return None
+                if type(linear) is Linear:
+                    max_rows = min(max_rows, linear.gemv_max_rows)
+        return cls(model, max_rows)
+
+    def runs(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: KernelOps) -> bool:
+        """Whether this step's layers go through the C++ call: a few bf16 rows on the C++
+        kernel backend, over bf16 KV caches."""
+        return (ops.backend == "cpu" and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= self.max_rows
+                and kv_caches[0][0].dtype == torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        caches = [c for pair in kv_caches for c in pair]
+        cpu_kernels.bf16_decode_layers(
+            x, self.tensors, self.kinds, caches, self.windows, *self.rope.tables(), positions, meta.slot_mapping,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, self.num_heads, self.num_kv_heads, self.scale,
+            self.eps,
+        )
+        return x
+
+
+def _is_cpu_int4(linear: nn.Module) -> bool:
+    from engine.quantization.linears import Int4Linear
+
+    return type(linear) is Int4Linear and linear.cpu_packed
+
+
+def _decode_kernel_runs(linear: nn.Module) -> bool:
+    """Whether the fused decode call runs this linear as the per-op forward does: the bf16
+    GEMV (a dense `Linear` that keeps it), torch's CPU int4 kernel (an `Int4Linear` in its
+    layout) or its int8 kernel (an `Int8Linear` with the bf16 scales it takes), bf16 biases."""
+    from engine.quantization.linears import Int8Linear
+    from kernels.quant_linear import cpu_int8_mm_available
+
+    if linear.bias is not None and linear.bias.dtype != torch.bfloat16:
+        return False
+    if type(linear) is Linear:
+        return bool(linear.gemv_max_rows) and linear.weight.dtype == torch.bfloat16
+    if _is_cpu_int4(linear):
+        return True
+    return type(linear) is Int8Linear and linear.scales.dtype == torch.bfloat16 and cpu_int8_mm_available()
+
+
 class LlamaForCausalLM(nn.Module):
     """Parameter names match HF checkpoints, so safetensors load by name.
 
@@ -299,6 +418,9 @@ class LlamaForCausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.build_rope()
+        # The decode steps' layers in one C++ call, where they qualify: set by the Worker
+        # once the weights are final (`FusedDecodeLayers.build`, after `prepack_linears`).
+        self.fused_decode: FusedDecodeLayers | None = None
 
     def build_rope(self, device: torch.device | None = None) -> None:
         """(Re)build the RoPE tables, non-persistent buffers: the loader calls this on the
@@ -324,6 +446,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states of the tokens at `meta.logits_indices`."""
         x = self.embed(input_ids)
+        if self.fused_decode is not None and self.fused_decode.runs(x, kv_caches, ops):
+            x = self.fused_decode(x, positions, kv_caches, meta)
+            return self.model.norm(x[meta.logits_indices])
         ropes = self.layer_ropes(positions)
         with ops.forward_scope():  # the layers share this step's metadata (and what ops derive from it)
             for layer, rope, kv_cache in zip(self.model.layers, ropes, kv_caches):

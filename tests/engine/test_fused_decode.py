@@ -1,0 +1,151 @@
+"""engine/models/llama.py `FusedDecodeLayers`: a decode step's layers in one C++ call
+(kernels/csrc/cpu_kernels.cpp `bf16_decode_layers`) against the model's per-op forward.
+
+The C++ call runs the per-op forward's kernels in the same order, so the two must agree
+bit for bit: the final hidden states and every KV slot the step writes. The batches
+mix sequence lengths over shuffled block tables, including a short chunk of several new
+tokens (a speculative verification chunk), on Llama (GQA, tied head), Qwen2 (q/k/v
+biases, one sliding-window layer) and Mistral (every layer windowed, shorter than the
+contexts), in bf16 and with INT4 / INT8 weight-only linears (`--quantization`). Needs
+the C++ kernels' AVX512-BF16 GEMV; skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.models.args import ModelArgs
+from engine.models.llama import FusedDecodeLayers, prepack_linears
+from engine.models.registry import model_class
+from engine.quantization.rtn import convert_model
+from kernels import cpu_kernels
+from kernels.ops import get_ops
+from tests.tiny_models import hf_config
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_gemv_available(), reason="needs the AVX512-BF16 C++ GEMV")
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 40
+MAX_POSITIONS = 256
+
+
+def make_model(arch: str, dtype: torch.dtype = torch.bfloat16, quantization: str | None = None, **overrides):
+    """A random `arch` model (3 layers; Gemma 3's config names 2) in `dtype`, quantized at
+    load (`--quantization`) and prepacked as the Worker prepacks it."""
+    config = hf_config(arch, **({} if arch == "gemma3" else {"num_hidden_layers": 3}), **overrides)
+    args = ModelArgs.from_hf_config(config)
+    torch.manual_seed(0)
+    model = model_class(args.model_type)(args, MAX_POSITIONS)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.3 if param.dim() == 1 else 2.0 / param.shape[-1] ** 0.5
+            base = 1.0 if "norm" in name else 0.0
+            param.copy_(base + scale * torch.randn(param.shape, generator=g))
+    model.to(dtype)
+    model.build_rope()  # the cos/sin tables stay float32
+    if quantization is not None:
+        convert_model(model, quantization)
+    prepack_linears(model)
+    return model
+
+
+def make_step(model, seqs: list[tuple[int, int]], seed: int = 0):
+    """KV caches whose cached prefixes are random, and one step's inputs: (seq_len, q_len)
+    per sequence, the q_len new tokens the last ones of seq_len, blocks shuffled."""
+    args = model.args
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, args.num_key_value_heads, args.head_dim)
+    caches = [(torch.randn(shape, generator=g).to(torch.bfloat16), torch.randn(shape, generator=g).to(torch.bfloat16))
+              for _ in range(args.num_hidden_layers)]
+    ids = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    max_blocks = max(-(-s // BLOCK_SIZE) for s, _ in seqs)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    slots, positions, starts = [], [], [0]
+    for i, (seq_len, q_len) in enumerate(seqs):
+        n = -(-seq_len // BLOCK_SIZE)
+        tables[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+        ids = ids[n:]
+        for p in range(seq_len - q_len, seq_len):
+            positions.append(p)
+            slots.append(int(tables[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE)
+        starts.append(starts[-1] + q_len)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=tables,
+        seq_lens=torch.tensor([s for s, _ in seqs], dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        logits_indices=torch.tensor([e - 1 for e in starts[1:]], dtype=torch.int64),
+    )
+    input_ids = torch.randint(0, args.vocab_size, (starts[-1],), generator=g)
+    return input_ids, torch.tensor(positions, dtype=torch.int64), caches, meta
+
+
+def forward(model, fused, input_ids, positions, caches, meta):
+    """The model's hidden states and the caches it wrote, with the fused call or without."""
+    caches = [(k.clone(), v.clone()) for k, v in caches]
+    model.fused_decode = fused
+    try:
+        hidden = model(input_ids, positions, caches, meta, get_ops("cpu", torch.device("cpu")))
+    finally:
+        model.fused_decode = None
+    return hidden, caches
+
+
+BATCHES = {
+    "one decode": [(45, 1)],
+    "three decodes": [(45, 1), (3, 1), (90, 1)],
+    "eight decodes": [(17 + 11 * i, 1) for i in range(8)],
+    "a verification chunk and decodes": [(60, 5), (9, 1), (33, 1)],
+}
+
+
+@pytest.mark.parametrize("arch, quantization", [
+    ("llama", None), ("qwen2", None), ("mistral", None),
+    ("llama", "int4"), ("qwen2", "int4"), ("llama", "int8"),  # torch's int4 / int8 kernels, qwen2's biases after them
+])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_fused_decode_layers_equal_the_per_op_forward(arch, quantization, batch):
+    model = make_model(arch, quantization=quantization)
+    fused = FusedDecodeLayers.build(model)
+    assert fused is not None, f"{arch} {quantization}: the fused decode should run for this model"
+    assert fused.kinds.count(0) == (len(fused.kinds) if quantization is None else 0)
+    input_ids, positions, caches, meta = make_step(model, BATCHES[batch])
+    assert fused.runs(model.embed(input_ids), caches, get_ops("cpu", torch.device("cpu")))
+    expected, expected_caches = forward(model, None, input_ids, positions, caches, meta)
+    got, got_caches = forward(model, fused, input_ids, positions, caches, meta)
+    assert torch.equal(got, expected)
+    for (k, v), (ek, ev), (k0, _) in zip(got_caches, expected_caches, caches):
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+        assert not torch.equal(k, k0)  # the step did write its new tokens' keys
+    # And the per-op forward is not trivially equal to anything: another token differs.
+    other_ids = (input_ids + 1) % model.args.vocab_size
+    other, _ = forward(model, fused, other_ids, positions, caches, meta)
+    assert not torch.equal(other, expected)
+
+
+def test_more_rows_than_the_gemv_takes_run_per_op():
+    model = make_model("llama")
+    fused = FusedDecodeLayers.build(model)
+    ops = get_ops("cpu", torch.device("cpu"))
+    x = torch.zeros(fused.max_rows + 1, model.args.hidden_size, dtype=torch.bfloat16)
+    caches = [(torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16),) * 2]
+    assert fused.runs(x[: fused.max_rows], caches, ops)
+    assert not fused.runs(x, caches, ops)
+    assert not fused.runs(x[:1], caches, get_ops("torch", torch.device("cpu")))
+
+
+@pytest.mark.parametrize("arch, dtype, quantization", [
+    ("qwen3", torch.bfloat16, None), ("gemma3", torch.bfloat16, None), ("llama", torch.float32, None),
+    ("llama", torch.bfloat16, "w8a8"),
+])
+def test_fused_decode_declines_what_it_does_not_run(arch, dtype, quantization):
+    """q/k norms (Qwen3), Gemma's blocks, float32 linears and W8A8 keep the per-op forward."""
+    assert FusedDecodeLayers.build(make_model(arch, dtype, quantization)) is None
+
+
+def test_fused_decode_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("PAGODA_CPU_FUSED_DECODE", "0")
+    assert FusedDecodeLayers.build(make_model("llama")) is None
