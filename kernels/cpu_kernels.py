@@ -11,7 +11,8 @@ with the reason, and the engine runs the torch reference ops and logs that it do
 
 The bf16 small-batch GEMV (`bf16_linear`, AVX512-BF16 CPUs only: `bf16_gemv_available`)
 is routed by kernels/linear.py and engine/models/llama.py's `Linear`, not by KernelOps:
-decode-sized calls of bf16 linears, whatever the kernel backend, like the oneDNN path.
+decode-sized calls of bf16 linears, whatever the kernel backend, like the oneDNN path. Its
+int8 sibling (`int8_linear`) is routed by kernels/quant_linear.py for W8A16 linears.
 
 Attention routing (`paged_attention`):
 - bf16 on AVX512-BF16 CPUs (head dims 64/128/256): every chunk in the C++ kernel, which
@@ -155,6 +156,15 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     from a few rows on oneDNN's blocked GEMM is faster (kernels/linear.py routes by row
     count, `GEMV_MAX_ROWS`). Only where `bf16_gemv_available()`."""
     return _rowwise(lambda out, rows: load().bf16_gemv(out, rows, weight, bias), x, weight.shape[0])
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`(x @ qweight.T) * scales` for bf16 x, an int8 weight [N, K] and bf16 row scales [N]
+    through the small-batch int8 GEMV (csrc/cpu_kernels.cpp `int8_gemv`): the weight
+    widened to bf16 32 at a time (exact) and streamed like `bf16_linear`'s, ~1.6x torch's
+    `_weight_int8pack_mm` at one row. For few rows (kernels/quant_linear.py routes by row
+    count, `INT8_GEMV_MAX_ROWS`). Only where `bf16_gemv_available()`."""
+    return _rowwise(lambda out, rows: load().int8_gemv(out, rows, qweight, scales), x, qweight.shape[0])
 
 
 def bf16_silu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:

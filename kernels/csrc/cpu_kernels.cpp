@@ -1105,6 +1105,98 @@ void bf16_gemv_impl(const uint16_t* x, const uint16_t* w, const uint16_t* bias, 
       for (int64_t m0 = 0; m0 < M; m0 += 4) gemv_block<1>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
   }
 }
+
+// ---------------------------------------------------------------------------------------
+// Small-batch int8 weight-only linear: y[M, N] = (x[M, K] @ W[N, K]^T) * scale[N], W int8
+// (the W8A16 layout of engine/quantization: q - 128, one bf16 scale per output row), x and
+// y bf16. The same weight stream as the bf16 GEMV at half the bytes: each 32 weights are
+// widened to float and narrowed to bf16 (exact: |q| <= 128 needs 8 bits of mantissa), then
+// `vdpbf16ps` against x as above, so every product is exact and summed in float32; the
+// row's sum times its scale is rounded to bf16 once, as torch's `_weight_int8pack_mm`
+// computes it (in another summation order: results may differ from it by 1 bf16 ulp).
+// That kernel streamed the bundled model's INT8 LM head at ~17 GB/s here, this one at 26-29.
+inline __m512bh int8x32_to_bf16(const int8_t* w, __mmask32 mask) {
+  const __m256i q = _mm256_maskz_loadu_epi8(mask, w);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // [lo's 16, hi's 16]: the weights in order
+}
+
+// Outputs [n0, n0 + R) of x rows [0, MB).
+template <int MB, int R>
+inline void int8_gemv_rows(const uint16_t* __restrict x, const int8_t* __restrict w, const uint16_t* __restrict scale,
+                           uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
+  __m512 acc[MB][R];
+  for (int r = 0; r < R; ++r) {
+    const int8_t* row = w + (n0 + r) * K;
+    __m512 odd[MB];
+    for (int m = 0; m < MB; ++m) acc[m][r] = odd[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + k + 2 * kPrefetchL2Ahead), _MM_HINT_T1);
+      const __m512bh w0 = int8x32_to_bf16(row + k, ~__mmask32{0});
+      const __m512bh w1 = int8x32_to_bf16(row + k + 32, ~__mmask32{0});
+      for (int m = 0; m < MB; ++m) {
+        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_loadu_si512(x + m * K + k), w0);
+        odd[m] = _mm512_dpbf16_ps(odd[m], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
+      }
+    }
+    for (; k < K; k += 32) {  // at most two chunks of 32, the last maybe partial
+      const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1);
+      const __m512bh w0 = int8x32_to_bf16(row + k, mask);
+      for (int m = 0; m < MB; ++m)
+        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), w0);
+    }
+    for (int m = 0; m < MB; ++m) acc[m][r] = _mm512_add_ps(acc[m][r], odd[m]);
+  }
+  float sc[R];
+  for (int r = 0; r < R; ++r) {
+    const uint32_t bits = static_cast<uint32_t>(scale[n0 + r]) << 16;
+    std::memcpy(&sc[r], &bits, sizeof(float));
+  }
+  for (int m = 0; m < MB; ++m) {
+    if constexpr (R == 4) {
+      float s4[4];
+      _mm_storeu_ps(s4, reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+      for (int r = 0; r < 4; ++r) y[m * N + n0 + r] = bf16_bits(s4[r] * sc[r]);
+    } else {
+      for (int r = 0; r < R; ++r) y[m * N + n0 + r] = bf16_bits(_mm512_reduce_add_ps(acc[m][r]) * sc[r]);
+    }
+  }
+}
+
+template <int R>
+inline void int8_gemv_block(int64_t mb, const uint16_t* x, const int8_t* w, const uint16_t* scale, uint16_t* y,
+                            int64_t K, int64_t N, int64_t n) {
+  switch (mb) {
+    case 1: int8_gemv_rows<1, R>(x, w, scale, y, K, N, n); break;
+    case 2: int8_gemv_rows<2, R>(x, w, scale, y, K, N, n); break;
+    case 3: int8_gemv_rows<3, R>(x, w, scale, y, K, N, n); break;
+    default: int8_gemv_rows<4, R>(x, w, scale, y, K, N, n); break;
+  }
+}
+
+// The bf16 GEMV's thread split (contiguous ranges of whole groups of 48 rows), four W
+// rows at a time, each block of up to four x rows in turn (later blocks read the rows
+// from L1).
+void int8_gemv_impl(const uint16_t* x, const int8_t* w, const uint16_t* scale, uint16_t* y, int64_t M, int64_t K,
+                    int64_t N) {
+  constexpr int64_t kGrain = 48;
+  const int64_t groups = (N + kGrain - 1) / kGrain;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t n_lo = std::min(N, groups * t / nt * kGrain), n_hi = std::min(N, groups * (t + 1) / nt * kGrain);
+    int64_t n = n_lo;
+    for (; n + 4 <= n_hi; n += 4)
+      for (int64_t m0 = 0; m0 < M; m0 += 4)
+        int8_gemv_block<4>(std::min<int64_t>(4, M - m0), x + m0 * K, w, scale, y + m0 * N, K, N, n);
+    for (; n < n_hi; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += 4)
+        int8_gemv_block<1>(std::min<int64_t>(4, M - m0), x + m0 * K, w, scale, y + m0 * N, K, N, n);
+  }
+}
 #else
 constexpr bool kHaveBf16Gemv = false;
 #endif
@@ -1135,6 +1227,27 @@ void bf16_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor weight, c10::op
   if (M == 0 || N == 0) return;
   bf16_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
                  b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N);
+#endif
+}
+
+// out [M, N] = (x [M, K] @ weight [N, K]^T) * scales [N]: x, scales, out bfloat16, weight
+// int8, all contiguous (see int8_gemv_impl).
+void int8_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor weight, torch::Tensor scales) {
+  TORCH_CHECK(kHaveBf16Gemv, "int8_gemv: this build has no AVX512-BF16 (the CPU lacks it)");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "int8_gemv: 2-D x, weight and out expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kChar &&
+                  scales.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "int8_gemv: bfloat16 x, scales and out and an int8 weight expected");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && scales.is_contiguous() && out.is_contiguous(),
+              "int8_gemv: contiguous tensors expected");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K && scales.numel() == N && out.size(0) == M && out.size(1) == N,
+              "int8_gemv: shape mismatch");
+#if defined(__AVX512BF16__)
+  if (M == 0 || N == 0) return;
+  int8_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight.data_ptr<int8_t>(),
+                 reinterpret_cast<const uint16_t*>(scales.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), M,
+                 K, N);
 #endif
 }
 
@@ -1198,7 +1311,8 @@ namespace {
 // kind 0: a dense bf16 weight [N, K] through the GEMV above; kind > 0: torch's CPU int4
 // layout (packed uint8 [N, K / 2], scales_and_zeros [K / G, N, 2]) through
 // aten::_weight_int4pack_mm_for_cpu with group size `kind`; kind -1: int8 [N, K] with bf16
-// per-row scales through aten::_weight_int8pack_mm. Bias: an empty tensor for none.
+// per-row scales through the int8 GEMV above (as kernels/quant_linear.py runs few-row
+// calls). Bias: an empty tensor for none.
 struct DecodeLinear {
   const torch::Tensor* weight;
   const torch::Tensor* bias;
@@ -1236,8 +1350,17 @@ struct DecodeLinear {
 #endif
       return out;
     }
-    torch::Tensor out = kind > 0 ? at::_weight_int4pack_mm_for_cpu(x, *weight, kind, *scales)
-                                 : at::_weight_int8pack_mm(x, *weight, *scales);
+    torch::Tensor out;
+    if (kind > 0) {
+      out = at::_weight_int4pack_mm_for_cpu(x, *weight, kind, *scales);
+    } else {  // the int8 GEMV, as kernels/quant_linear.py runs few-row calls
+      out = torch::empty({x.size(0), out_features()}, x.options());
+#if defined(__AVX512BF16__)
+      int8_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight->data_ptr<int8_t>(),
+                     reinterpret_cast<const uint16_t*>(scales->data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                     x.size(0), x.size(1), out_features());
+#endif
+    }
     return bias->numel() ? out + *bias : out;
   }
 };
@@ -1363,6 +1486,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary);
   m.def("has_bf16_gemv", &has_bf16_gemv);
   m.def("bf16_gemv", &bf16_gemv);
+  m.def("int8_gemv", &int8_gemv);
   m.def("bf16_silu_mlp", &bf16_silu_mlp);
   m.def("bf16_decode_layers", &bf16_decode_layers);
 }

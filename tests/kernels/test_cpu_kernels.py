@@ -173,6 +173,44 @@ def test_bf16_gemv_odd_shapes_and_thread_split():
     assert cpu_kernels.bf16_linear(x[:0], weight).shape == (0, weight.shape[0])
 
 
+@gemv
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
+@pytest.mark.parametrize("n, k", [(97, 576), (1, 64), (4 * 48 + 3, 1536), (53, 100), (7, 31)])
+def test_int8_gemv_equals_float64_reference(rows, n, k):
+    """The W8A16 GEMV: exact products of int8 weights (the full range, -128 included) and
+    bf16 x, float32 sums, times the row's scale, one bf16 rounding; rows past a block of
+    four, N over several threads' ranges, K with a tail."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    qweight[0, 0] = -128
+    scales = (torch.rand(n, generator=g) * 0.02 + 1e-3).bfloat16()
+    got = cpu_kernels.int8_linear(x, qweight, scales)
+    want = (x.double() @ qweight.double().t()) * scales.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    tol = want.abs() * 2**-8 + 1e-5 * k ** 0.5 * float(want.abs().max())
+    assert bool(((got.double() - want).abs() <= tol).all()), (got.double() - want).abs().max()
+
+
+@gemv
+def test_w8a16_routes_few_rows_to_the_int8_gemv():
+    """kernels/quant_linear.py: up to INT8_GEMV_MAX_ROWS rows run the GEMV (float32 x cast
+    to bf16 and back, the bias added after), more rows torch's kernel."""
+    from kernels.quant_linear import INT8_GEMV_MAX_ROWS, w8a16_linear_cpu
+
+    g = torch.Generator().manual_seed(3)
+    qweight = torch.randint(-128, 128, (64, 128), dtype=torch.int8, generator=g)
+    scales = (torch.rand(64, generator=g) * 0.02).bfloat16()
+    bias = torch.randn(64, generator=g)
+    few = torch.randn(INT8_GEMV_MAX_ROWS, 128, generator=g)
+    got = w8a16_linear_cpu(few, qweight, scales, bias)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, cpu_kernels.int8_linear(few.bfloat16(), qweight, scales).float() + bias)
+    many = torch.randn(INT8_GEMV_MAX_ROWS + 1, 128, generator=g)
+    assert torch.equal(w8a16_linear_cpu(many, qweight, scales),
+                       torch._weight_int8pack_mm(many.bfloat16(), qweight, scales).float())
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128)])
 @pytest.mark.parametrize("window", [None, 300])
 def test_paged_attention_bf16_blocked_loop_over_a_long_context(heads, kv_heads, head_dim, window):
