@@ -10,7 +10,9 @@ that works everywhere (CUDA, a torch without these private ops). The cost: activ
 and outputs are rounded to bf16 (relative 2^-9) around each quantized GEMM; the int8/int4
 rounding of the weights is larger (tests bound the end-to-end effect). The private ops
 are probed once against the reference (`_cpu_op_works`); any failure selects the
-reference path.
+reference path. W8A16 calls of up to `INT8_GEMV_MAX_ROWS` rows (decode) run Pagoda's
+int8 GEMV instead where the C++ kernels have it (AVX512-BF16): the same weight stream at
+~1.5x the rate (kernels/cpu_kernels.py `int8_linear`).
 
 W8A8 (`w8a8_linear`: int8 weights, activations quantized per token at run time) on CPU
 runs `torch._int_mm` (int8 x int8 -> int32) on the stored [N, K] weight (a transposed

@@ -61,7 +61,9 @@ def bench_kernels() -> None:
         fn()
         return min(_timed(fn, iters) for _ in range(reps)) * 1e6
 
-    print(f"{'shape':>10} {'M':>2} {'F.linear':>9} {'bmm fp32':>9} {'int8':>9} {'int4':>9}  (us)")
+    # int8: kernels/quant_linear.py's route (Pagoda's int8 GEMV at these row counts where
+    # the C++ kernels have it); int8pack: torch's `_weight_int8pack_mm` it replaces, same casts.
+    print(f"{'shape':>10} {'M':>2} {'F.linear':>9} {'bmm fp32':>9} {'int8':>9} {'int8pack':>9} {'int4':>9}  (us)")
     for n, k in [(576, 576), (960, 576), (3072, 576), (576, 1536), (1536, 576)]:
         g = 128 if k % 128 == 0 else 64
         w = torch.randn(n, k)
@@ -74,6 +76,7 @@ def bench_kernels() -> None:
                 us(lambda: F.linear(x, w)),
                 us(lambda: linear(x, w)),
                 us(lambda: w8a16_linear_cpu(x, q8, s8)),
+                us(lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), q8, s8).to(x.dtype)),
                 us(lambda: w4a16_linear_cpu(x, packed, sz, g)),
             ]
             print(f"{n}x{k:<5} {m:>2} " + " ".join(f"{v:9.1f}" for v in row), flush=True)
