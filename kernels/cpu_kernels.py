@@ -161,9 +161,11 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`(x @ qweight.T) * scales` for bf16 x, an int8 weight [N, K] and bf16 row scales [N]
     through the small-batch int8 GEMV (csrc/cpu_kernels.cpp `int8_gemv`): the weight
-    widened to bf16 32 at a time (exact) and streamed like `bf16_linear`'s, ~1.6x torch's
-    `_weight_int8pack_mm` at one row. For few rows (kernels/quant_linear.py routes by row
-    count, `INT8_GEMV_MAX_ROWS`). Only where `bf16_gemv_available()`."""
+    widened to bf16 32 at a time (exact) and streamed like `bf16_linear`'s: ~1.6x torch's
+    `_weight_int8pack_mm` at one row on a weight read from memory (a decode step's case;
+    on a cache-resident weight torch's is 1.1-1.3x faster: docs/BENCHMARKS.md). For few
+    rows (kernels/quant_linear.py routes by row count, `INT8_GEMV_MAX_ROWS`). Only where
+    `bf16_gemv_available()`."""
     return _rowwise(lambda out, rows: load().int8_gemv(out, rows, qweight, scales), x, qweight.shape[0])
 
 

@@ -83,7 +83,7 @@ def _cpu_op_works(kind: str) -> bool:
         if kind == "int8":
             qweight = torch.randint(-128, 128, (16, 64), dtype=torch.int8, generator=gen)
             scales = (torch.rand(16, generator=gen) + 0.5).bfloat16()
-            out = w8a16_linear_cpu(x, qweight, scales)
+            out = _int8pack_mm(x, qweight, scales)  # torch's op itself, whatever rows w8a16_linear_cpu routes
             ref = w8a16_linear_ref(x, qweight, scales.float())
         else:
             q = torch.randint(0, 16, (16, 64), dtype=torch.int32, generator=gen)
@@ -108,8 +108,13 @@ def w8a16_linear_cpu(
     if rows.dim() == 2 and rows.shape[0] <= INT8_GEMV_MAX_ROWS and _int8_gemv_runs():
         out = cpu_kernels.int8_linear(rows, qweight, scales).to(x.dtype)
     else:
-        out = torch._weight_int8pack_mm(rows, qweight, scales).to(x.dtype)
+        out = _int8pack_mm(x, qweight, scales)
     return out if bias is None else out + bias
+
+
+def _int8pack_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """torch's int8 weight-only kernel on bf16 activations, output in x's dtype."""
+    return torch._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scales).to(x.dtype)
 
 
 # Up to this many rows (decode batches, speculative verification chunks) W8A16 on CPU runs

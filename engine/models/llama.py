@@ -9,15 +9,17 @@ forward pass.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.models.args import ModelArgs, rope_inv_freq
-from kernels.elementwise import rms_norm, rotate_half
 from kernels import cpu_kernels
 from kernels.cpu_kernels import bf16_linear, bf16_silu_mlp
+from kernels.elementwise import rms_norm, rotate_half
 from kernels.linear import GEMV_MAX_ROWS, gemv_enabled, gemv_takes, linear, pack_weight, packed_linear
 from kernels.ops import KernelOps
 
@@ -330,8 +332,6 @@ class FusedDecodeLayers:
 
     @classmethod
     def build(cls, model: "LlamaForCausalLM") -> "FusedDecodeLayers | None":
-        import os
-
         if os.environ.get("PAGODA_CPU_FUSED_DECODE", "1") == "0" or not cpu_kernels.bf16_gemv_available():
             return None
         args = model.args

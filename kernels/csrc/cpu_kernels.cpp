@@ -1407,7 +1407,7 @@ void bf16_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_tensor
   auto linear_of = [&](size_t l, int i) {
     const torch::Tensor* t = &layer_tensors[kPerLayer * l + (i < 2 ? 1 + 3 * i : 8 + 3 * (i - 2))];
     const int64_t kind = kinds[4 * l + i];
-    TORCH_CHECK(kind == 0 ? kHaveBf16Gemv : true, "bf16_decode_layers: this build has no AVX512-BF16 GEMV");
+    TORCH_CHECK(kind > 0 || kHaveBf16Gemv, "bf16_decode_layers: this build has no AVX512-BF16 GEMV (bf16 and int8 linears)");
     return DecodeLinear{t, t + 1, t + 2, kind};
   };
   for (size_t l = 0; l < L; ++l) {
