@@ -1,0 +1,106 @@
+"""Batch-1 decode step on CPU: the fused decode call against the model's per-op forward,
+alternating in one process, against the read-bandwidth bound measured between rounds.
+
+    python -m loadtest.bench_decode_paths                        # bf16 (~2 min on 2 idle cores)
+    python -m loadtest.bench_decode_paths --quantization int4    # INT4 weights, INT8 LM head
+    python -m loadtest.bench_decode_paths --quantization int8 --int8-gemv
+                                           # also the per-op path with torch's int8 kernel
+
+The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
+- fused: every decoder layer of the step in one C++ call (the engine's route);
+- per-op: the model's Python forward, one kernel call per op (`PAGODA_CPU_FUSED_DECODE=0`);
+- per-op, torch int8 (`--int8-gemv`): also W8A16 through torch's `_weight_int8pack_mm`
+  instead of Pagoda's int8 GEMV (`INT8_GEMV_MAX_ROWS = 0`).
+
+This VM's memory bandwidth drifts by up to 2x over minutes, so the paths take turns, round
+after round, and the read bandwidth (`bench_offline.measure_read_bandwidth_gbs`) is measured
+at the start of each round. A path's decode step = (T(65 tokens) - T(1 token)) / 64 of one
+greedy prompt (prefill and per-call costs cancel); its median over the rounds is reported
+with the median bound: bytes of weights a step reads (`decode_weight_bytes`) / bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from loadtest.bench_engine_gpu import decode_weight_bytes
+from loadtest.bench_offline import measure_read_bandwidth_gbs
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def step_seconds(llm, sampling_params) -> float:
+    """One decode step: (T(65) - T(1)) / 64 for the same greedy prompt."""
+    one, full = sampling_params(max_tokens=1), sampling_params(max_tokens=65)
+    t0 = time.perf_counter()
+    llm.generate([PROMPT], one)
+    t1 = time.perf_counter()
+    llm.generate([PROMPT], full)
+    t2 = time.perf_counter()
+    return ((t2 - t1) - (t1 - t0)) / 64
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", help="the model dtype (the fused call takes bf16)")
+    parser.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
+    parser.add_argument("--int8-gemv", action="store_true", help="also the per-op path with torch's int8 kernel")
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+
+    import kernels.quant_linear as quant_linear
+    from engine import LLM, SamplingParams
+
+    llm = LLM(dtype=args.dtype, quantization=args.quantization)
+    model = llm.engine_core.worker.model
+    fused = model.fused_decode
+    if fused is None:
+        sys.exit("the fused decode call does not run for this model here (the start-up log's decode_layers line says why)")
+    int8_rows = quant_linear.INT8_GEMV_MAX_ROWS
+
+    def use(path: str) -> None:
+        model.fused_decode = fused if path == "fused" else None
+        quant_linear.INT8_GEMV_MAX_ROWS = 0 if path == "per-op, torch int8" else int8_rows
+
+    paths = ["fused", "per-op"] + (["per-op, torch int8"] if args.int8_gemv else [])
+
+    def params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    for path in paths:  # warm-up
+        use(path)
+        step_seconds(llm, params)
+    steps: dict[str, list[float]] = {p: [] for p in paths}
+    bandwidths = []
+    for r in range(args.rounds):
+        bandwidths.append(measure_read_bandwidth_gbs())
+        for path in paths:
+            use(path)
+            steps[path].append(step_seconds(llm, params))
+        print(f"round {r + 1}: read {bandwidths[-1]:.1f} GB/s, "
+              + ", ".join(f"{p} {steps[p][-1] * 1e3:.2f} ms" for p in paths), file=sys.stderr, flush=True)
+    use("fused")
+
+    weight_bytes = decode_weight_bytes(model)
+    bandwidth = statistics.median(bandwidths)
+    bound = weight_bytes / (bandwidth * 1e9)
+    what = args.quantization or args.dtype
+    print(f"\nBatch-1 decode step, {what}, {torch.get_num_threads()} threads, {args.rounds} alternating rounds: "
+          f"weights read per step {weight_bytes / 1e6:.0f} MB, read bandwidth median {bandwidth:.1f} GB/s "
+          f"(range {min(bandwidths):.1f}-{max(bandwidths):.1f}), bound {bound * 1e3:.2f} ms\n")
+    print("| path | decode step (median) | range | vs fused | fraction of the read bound |")
+    print("|---|---:|---:|---:|---:|")
+    base = statistics.median(steps["fused"])
+    for path in paths:
+        med = statistics.median(steps[path])
+        print(f"| {path} | {med * 1e3:.2f} ms | {min(steps[path]) * 1e3:.2f}-{max(steps[path]) * 1e3:.2f} ms "
+              f"| {med / base:.2f}x | {bound / med:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
