@@ -61,10 +61,10 @@ def _huge_text(num_bytes: int) -> str:
 
 
 def test_health_answers_while_huge_prompts_tokenize(tight, helpers):
-    """Two ~7 MiB prompts take seconds of tokenizer time each; /health must keep answering
+    """Two ~3 MiB prompts take seconds of tokenizer time each; /health must keep answering
     (a blocked event loop would leave these 3 s health checks hanging until it is done)."""
     url, model = tight
-    text = _huge_text(7 * 2**20)
+    text = _huge_text(3 * 2**20)
     completion = json.dumps({"model": model, "prompt": text, "max_tokens": 1})
     chat = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
 
