@@ -1080,17 +1080,24 @@ inline void gemv_wide(int64_t mb, const uint16_t* x, const uint16_t* w, const ui
   }
 }
 
-void bf16_gemv_impl(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
-                    int64_t N) {
-  // Contiguous output-row ranges per thread, in multiples of 48 rows (whole groups of
-  // four); never more threads than ranges.
+// Runs body(n_lo, n_hi) in parallel on each thread's contiguous range of the N output
+// rows, in multiples of 48 rows (whole groups of four); never more threads than ranges.
+// Each thread's part of W is then one sequential stretch (see the comment above).
+template <typename Body>
+inline void for_each_thread_rows(int64_t N, const Body& body) {
   constexpr int64_t kGrain = 48;
   const int64_t groups = (N + kGrain - 1) / kGrain;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups)));
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t n_lo = std::min(N, groups * t / nt * kGrain), n_hi = std::min(N, groups * (t + 1) / nt * kGrain);
+    body(std::min(N, groups * t / nt * kGrain), std::min(N, groups * (t + 1) / nt * kGrain));
+  }
+}
+
+void bf16_gemv_impl(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
+                    int64_t N) {
+  for_each_thread_rows(N, [&](int64_t n_lo, int64_t n_hi) {
     // Four W rows at a time (their 4 x 4 accumulators, the x-row block's second-chunk
     // chains, two W vectors and an x vector fit in the 32 zmm registers), and for them
     // every block of up to four x rows: the first block reads the rows from memory, the
@@ -1103,7 +1110,7 @@ void bf16_gemv_impl(const uint16_t* x, const uint16_t* w, const uint16_t* bias, 
       for (int64_t m0 = 0; m0 < M; m0 += 4) gemv_block<4>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
     for (; n < n_hi; ++n)
       for (int64_t m0 = 0; m0 < M; m0 += 4) gemv_block<1>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1176,18 +1183,12 @@ inline void int8_gemv_block(int64_t mb, const uint16_t* x, const int8_t* w, cons
   }
 }
 
-// The bf16 GEMV's thread split (contiguous ranges of whole groups of 48 rows), four W
+// The bf16 GEMV's thread split (for_each_thread_rows), four W
 // rows at a time, each block of up to four x rows in turn (later blocks read the rows
 // from L1).
 void int8_gemv_impl(const uint16_t* x, const int8_t* w, const uint16_t* scale, uint16_t* y, int64_t M, int64_t K,
                     int64_t N) {
-  constexpr int64_t kGrain = 48;
-  const int64_t groups = (N + kGrain - 1) / kGrain;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups)));
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t n_lo = std::min(N, groups * t / nt * kGrain), n_hi = std::min(N, groups * (t + 1) / nt * kGrain);
+  for_each_thread_rows(N, [&](int64_t n_lo, int64_t n_hi) {
     int64_t n = n_lo;
     for (; n + 4 <= n_hi; n += 4)
       for (int64_t m0 = 0; m0 < M; m0 += 4)
@@ -1195,7 +1196,7 @@ void int8_gemv_impl(const uint16_t* x, const int8_t* w, const uint16_t* scale, u
     for (; n < n_hi; ++n)
       for (int64_t m0 = 0; m0 < M; m0 += 4)
         int8_gemv_block<1>(std::min<int64_t>(4, M - m0), x + m0 * K, w, scale, y + m0 * N, K, N, n);
-  }
+  });
 }
 #else
 constexpr bool kHaveBf16Gemv = false;
@@ -1459,16 +1460,8 @@ void bf16_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_tensor
     add_rms_norm_impl<c10::BFloat16>(h, x, x, &attn, t[7], eps);
     if (gate_up.kind == 0 && down.kind == 0 && gate_up.bias->numel() == 0 && down.bias->numel() == 0) {
       // Both GEMVs, no biases: the model's bf16_silu_mlp, its SiLU-and-multiply included.
-      std::vector<uint16_t> gu(M * 2 * I), act(M * I);
-#if defined(__AVX512BF16__)
-      bf16_gemv_impl(reinterpret_cast<const uint16_t*>(h.data_ptr()),
-                     reinterpret_cast<const uint16_t*>(gate_up.weight->data_ptr()), nullptr, gu.data(), M, hidden,
-                     2 * I);
-      silu_mul_rows(gu.data(), act.data(), M, I);
       if (!mlp_out.defined()) mlp_out = torch::empty({M, hidden}, opts);
-      bf16_gemv_impl(act.data(), reinterpret_cast<const uint16_t*>(down.weight->data_ptr()), nullptr,
-                     reinterpret_cast<uint16_t*>(mlp_out.data_ptr()), M, I, hidden);
-#endif
+      bf16_silu_mlp(mlp_out, h, *gate_up.weight, *down.weight);
     } else {
       // The model's eager `down(F.silu(gate) * up)`, through the same ATen ops.
       torch::Tensor gu = gate_up(h);
