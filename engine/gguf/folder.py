@@ -17,9 +17,9 @@ import math
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader
 
 from engine.gguf import SOURCE_FILE
+from engine.gguf.reader import GGUFFile
 from engine.gguf.tensors import architecture
 from engine.gguf.tokenizer import field, fix_tokenizer
 from engine.model_cache import cache_root, write_folder
@@ -44,7 +44,7 @@ def _write(gguf: Path, out: Path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
-        reader = GGUFReader(str(gguf))
+        reader = GGUFFile(str(gguf))
     except (ValueError, OSError) as e:  # not a GGUF file, or a truncated one
         raise ValueError(f"cannot read GGUF file {gguf}: {e}") from None
     arch_name = str(field(reader, "general.architecture"))
@@ -87,7 +87,7 @@ def _write(gguf: Path, out: Path) -> None:
 _LLAMA3_FACTORS = (8.0, 32.0, 16.0, 4.0, 2.0)  # Llama 3.1 / 3.2 use 8 and 32
 
 
-def _llama3_rope_scaling(reader: GGUFReader, config) -> dict | None:
+def _llama3_rope_scaling(reader: GGUFFile, config) -> dict | None:
     """Llama 3.1+ files carry llama.cpp's per-frequency RoPE divisors (`rope_freqs.weight`)
     instead of the llama3 `rope_scaling` of their config: the llama3 parameters (low 1, high 4,
     8192 original positions, the factor searched) whose divisors equal the file's. None

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from gguf import GGUFReader
 from torch import nn
 
 from engine.gguf.blocks import BLOCK, served_linear
+from engine.gguf.reader import GGUFFile
 from engine.gguf.tensors import GGUFWeights, log, read_weights
 from engine.models.args import ModelArgs
 from engine.models.llama import STACKED_PARAMS
@@ -41,7 +41,7 @@ def load_gguf_model(
     fills a parameter (or a fused layer's shard) with a checked shape; passed in by the
     loader that routes GGUF folders here."""
     args = ModelArgs.from_hf_config(cfg)
-    weights = read_weights(GGUFReader(str(gguf)), cfg, keep_quantized=load_format != "dequantize")
+    weights = read_weights(GGUFFile(str(gguf)), cfg, keep_quantized=load_format != "dequantize")
     quantized = _fuse(weights)
     log(weights.summary())
 

@@ -23,9 +23,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
 
 from engine.gguf.blocks import FLOAT_TYPES, KEPT_TYPES, decode, to_float
+from engine.gguf.reader import GGUFFile
 from engine.quantization.weights import QuantizedLinear
 
 
@@ -103,7 +104,7 @@ class GGUFWeights:
         return "; ".join(parts) or "float tensors only"
 
 
-def read_weights(reader: GGUFReader, cfg, keep_quantized: bool) -> GGUFWeights:
+def read_weights(reader: GGUFFile, cfg, keep_quantized: bool) -> GGUFWeights:
     """Every tensor of the file under its Hugging Face name: Q4_0 / Q4_1 / Q8_0 linears kept
     as integers when `keep_quantized`, everything else float32. `cfg` is the model's HF config."""
     arch_name = str(reader.fields["general.architecture"].contents())

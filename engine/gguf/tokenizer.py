@@ -12,18 +12,18 @@ splits text as the model's own tokenizer (and llama.cpp) does.
 
 from __future__ import annotations
 
-from gguf import GGUFReader
+from engine.gguf.reader import GGUFFile
 
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # tokenizer.ggml.token_type values
 
 
-def field(reader: GGUFReader, key: str):
+def field(reader: GGUFFile, key: str):
     """A metadata value of the file (None when absent)."""
     value = reader.fields.get(key)
     return None if value is None else value.contents()
 
 
-def fix_tokenizer(tokenizer, reader: GGUFReader, bos_id: int | None) -> None:
+def fix_tokenizer(tokenizer, reader: GGUFFile, bos_id: int | None) -> None:
     """Apply the fixes above to the transformers tokenizer converted from the file, in place."""
     is_spm_bpe = (field(reader, "tokenizer.ggml.model") == "llama" and "tokenizer.ggml.merges" not in reader.fields
                   and "tokenizer.ggml.scores" in reader.fields)
@@ -33,7 +33,7 @@ def fix_tokenizer(tokenizer, reader: GGUFReader, bos_id: int | None) -> None:
         _add_bos(tokenizer, bos_id)
 
 
-def _spm_bpe(reader: GGUFReader, converted):
+def _spm_bpe(reader: GGUFFile, converted):
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     tokens = list(field(reader, "tokenizer.ggml.tokens"))

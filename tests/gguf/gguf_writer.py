@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, GGUFWriter, get_tensor_name_map, quants
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
 
 from engine.default_model import _gguf_path
+from engine.gguf.reader import GGUFFile
 
 _TOKENIZER_FIELDS = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id",
                      "padding_token_id", "unknown_token_id")
@@ -73,12 +74,11 @@ def write_gguf(
     writer.add_vocab_size(config.vocab_size)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
-    source = GGUFReader(str(_gguf_path()))
+    source = GGUFFile(_gguf_path())
     for field in _TOKENIZER_FIELDS:
         key = f"tokenizer.ggml.{field}"
-        value = source.fields[key].contents()
-        writer.add_key_value(key, value, source.fields[key].types[0], source.fields[key].types[-1]
-                             if len(source.fields[key].types) > 1 else None)
+        types = source.fields[key].types
+        writer.add_key_value(key, source.fields[key].contents(), types[0], types[-1] if len(types) > 1 else None)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     quantized = qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)

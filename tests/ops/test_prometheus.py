@@ -59,8 +59,10 @@ def test_promtool_accepts_prometheus_yml():
 
 @pytest.fixture(scope="module")
 def pagoda(default_model_path, tmp_path_factory):
-    """`pagoda serve --config cpu-default` on a free loopback port (the preset, end to end)."""
-    server = Server("pagoda", pagoda_command("--config", "cpu-default", "--max-model-len", "512", "--no-access-log"),
+    """`pagoda serve --config cpu-default` on a free loopback port (the preset, end to end), with
+    a small KV cache (tests/server/conftest.py: KV_CACHE_GIB says why)."""
+    server = Server("pagoda", pagoda_command("--config", "cpu-default", "--max-model-len", "512", "--no-access-log",
+                                             "--kv-cache-memory", "0.25"),
                     tmp_path_factory.mktemp("pagoda"))
     try:
         server.wait_ready(PAGODA_STARTUP_S)

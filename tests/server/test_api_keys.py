@@ -51,7 +51,7 @@ def keys_file(tmp_path_factory):
 def keyed_server(tiny_model_path, keys_file, tmp_path_factory):
     server = Server("pagoda-keys", pagoda_command(
         "--model", str(tiny_model_path), "--max-model-len", "512", "--api-keys-file", str(keys_file),
-        "--max-num-seqs", "8"), tmp_path_factory.mktemp("keys-logs"))
+        "--max-num-seqs", "8", "--kv-cache-memory", "0.05"), tmp_path_factory.mktemp("keys-logs"))
     server.wait_ready(120)
     yield server
     server.stop()
