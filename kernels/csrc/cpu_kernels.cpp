@@ -351,11 +351,14 @@ constexpr int64_t kPrefetchKeys = 1024;  // key rows prefetched into L2 when an 
 //  2. values: the probability-weighted sum with the rows' float32 accumulators in registers
 //     (kTile rows x HD/16 vectors), each value row converted bf16 -> float once per tile.
 // The scores of every key are held (rows x keys floats: 96 KB at 3 rows x 8k keys).
+// With `partial` (attention_parts) it attends keys [key0, key0 + key_count) of the item's
+// only, and writes each row's unnormalised sums [HD], maximum score and softmax sum there
+// (rows x (HD + 2) floats) instead of the output.
 template <int64_t HD>
 void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
                       c10::BFloat16* out, int64_t ctx, int64_t q_len, int64_t i0, int64_t i1, int64_t q_start,
                       int64_t kvh, int64_t H, int64_t Hkv, int64_t BS, float scale, int64_t window,
-                      std::vector<float>& scratch) {
+                      std::vector<float>& scratch, int64_t key0 = 0, int64_t key_count = -1, float* partial = nullptr) {
   static_assert(HD % 32 == 0, "head dim: a multiple of 32");
   constexpr int64_t NQ = HD / 32;                              // bf16 vectors per row
   constexpr int64_t NV = HD / 16;                              // float vectors per row
@@ -364,12 +367,15 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
   const int64_t rows = (i1 - i0) * g;
   const int64_t first_pos = ctx - q_len;  // position of new token 0
   const int64_t last = first_pos + i1 - 1;  // newest position any row attends to
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + i0 - window + 1) : 0;
-  const int64_t n = last + 1 - lo;          // keys [lo, last]
+  const int64_t item_lo = window > 0 ? std::max<int64_t>(0, first_pos + i0 - window + 1) : 0;
+  // keys [item_lo, last]; a part (key_count >= 0: attention_parts) takes key0.. of them
+  const int64_t lo = item_lo + key0;
+  const int64_t n = key_count >= 0 ? key_count : last + 1 - item_lo;
   const int64_t stride = (n + 15) / 16 * 16;
-  scratch.resize(rows * stride + rows);
+  scratch.resize(rows * stride + 2 * rows);
   float* s = scratch.data();                // [rows][stride]: scores, then probabilities
   float* inv = s + rows * stride;           // [rows]: 1 / the row's softmax sum
+  float* sums = inv + rows;                 // [rows]: the sum (a part's, kept as it is)
   const int64_t row_stride = Hkv * HD;
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);
   auto q_row = [&](int64_t r) { return qb + ((q_start + i0 + r / g) * H + kvh * g + r % g) * HD; };
@@ -421,7 +427,8 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
   for (int64_t r = 0; r < rows; ++r) {
     // This row's keys: p - window < k <= p, as indices into its scores.
     const int64_t p = first_pos + i0 + r / g;
-    const int64_t a = (window > 0 ? std::max(lo, p - window + 1) : lo) - lo, b = p + 1 - lo;
+    const int64_t a = std::max<int64_t>(0, (window > 0 ? std::max(item_lo, p - window + 1) : item_lo) - lo);
+    const int64_t b = std::min<int64_t>(n, p + 1 - lo);  // a >= b: none of this part's keys
     float* sr = s + r * stride;
     float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
@@ -434,6 +441,8 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
       sum += e;
     }
     inv[r] = 1.f / sum;
+    sums[r] = sum;
+    if (partial) partial[r * (HD + 2) + HD] = m;
   }
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int64_t rt = std::min(kTile, rows - r0);
@@ -456,7 +465,12 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
         }
       }
     }
-    for (int64_t r = 0; r < rt; ++r) {
+    for (int64_t r = 0; r < rt && partial; ++r) {  // a part: its unnormalised sums, max and sum
+      float* pr = partial + (r0 + r) * (HD + 2);
+      for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(pr + 16 * c, acc[r][c]);
+      pr[HD + 1] = sums[r0 + r];
+    }
+    for (int64_t r = 0; r < rt && !partial; ++r) {
       uint16_t* o = reinterpret_cast<uint16_t*>(out) + (q_row(r0 + r) - qb);  // same index as the query row
       const __m512 iv = _mm512_set1_ps(inv[r0 + r]);
       for (int64_t c = 0; c < NV; ++c) {
@@ -687,6 +701,92 @@ struct Item {
   bool blocked;                        // takes attend_block_bf16
 };
 
+#if defined(__AVX512BF16__)
+constexpr int64_t kPartKeys = 128;  // keys a part of a split item takes at least
+
+// A step of few decodes whose items (one per sequence and KV head) are fewer than twice the
+// threads: at batch 1 of a model with 3 KV heads, 3 items on 2 threads, so one thread
+// attends two heads while the other waits. Each item's keys are split into parts (enough
+// for two per thread, each of at least kPartKeys keys), every part computes its rows'
+// unnormalised sums, maximum and softmax sum (attend_rows_bf16 with `partial`), and the
+// parts are merged (flash-decoding's split-K): out = sum_j acc_j e^(m_j - M) /
+// sum_j l_j e^(m_j - M), M the largest m_j. The same float arithmetic as one pass up to the
+// order of the sums; rounded to bf16 once. False (nothing done) where the step does not
+// qualify: then the items run as they are.
+template <int64_t HD>
+bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, const c10::BFloat16* kc,
+                     const c10::BFloat16* vc, const int32_t* tables, int64_t max_blocks, c10::BFloat16* o,
+                     const int32_t* lens, const int32_t* qsl, int64_t H, int64_t Hkv, int64_t BS, double scale,
+                     int64_t window, int64_t few_rows) {
+  const int threads = at::get_num_threads();
+  const int64_t n_items = static_cast<int64_t>(items.size()), g = H / Hkv;
+  if (threads < 2 || n_items == 0 || n_items >= 2 * threads) return false;
+  struct Part { int64_t item, key0, keys, offset; };
+  std::vector<Part> parts;
+  int64_t floats = 0;
+  const int64_t want = (2 * threads + n_items - 1) / n_items;
+  for (int64_t it = 0; it < n_items; ++it) {
+    const Item& w = items[it];
+    const int64_t rows = (w.i1 - w.i0) * g;
+    if (w.blocked || w.h1 - w.h0 != 1 || rows > std::min(few_rows, kFewRows)) return false;
+    const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq], first_pos = lens[w.seq] - q_len;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + w.i0 - window + 1) : 0;
+    const int64_t n = first_pos + w.i1 - lo;  // the item's keys [lo, last]
+    const int64_t p = std::max<int64_t>(1, std::min(want, n / kPartKeys));
+    for (int64_t j = 0; j < p; ++j) {
+      const int64_t k0 = n * j / p / 16 * 16, k1 = j + 1 == p ? n : n * (j + 1) / p / 16 * 16;
+      parts.push_back({it, k0, k1 - k0, floats});
+      floats += rows * (HD + 2);
+    }
+  }
+  if (static_cast<int64_t>(parts.size()) == n_items) return false;  // too few keys to split
+  std::vector<float> partials(floats);
+  const int64_t n_parts = static_cast<int64_t>(parts.size());
+  const float sc = static_cast<float>(scale);
+#pragma omp parallel num_threads(std::min<int64_t>(threads, n_parts))
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_parts; ++i) {
+      const Part& pt = parts[i];
+      const Item& w = items[pt.item];
+      attend_rows_bf16<HD>(q, kc, vc, tables + w.seq * max_blocks, o, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0,
+                           w.i1, qsl[w.seq], w.h0, H, Hkv, BS, sc, window, scratch, pt.key0, pt.keys,
+                           partials.data() + pt.offset);
+    }
+  }
+  // Merge each item's parts (they are adjacent in `parts`), row by row.
+  uint16_t* ob = reinterpret_cast<uint16_t*>(o);
+  for (int64_t i = 0; i < n_parts;) {
+    int64_t e = i;
+    while (e < n_parts && parts[e].item == parts[i].item) ++e;
+    const Item& w = items[parts[i].item];
+    const int64_t rows = (w.i1 - w.i0) * g, q_start = qsl[w.seq];
+    for (int64_t r = 0; r < rows; ++r) {
+      float big = -std::numeric_limits<float>::infinity();
+      for (int64_t j = i; j < e; ++j) {
+        const float* pr = partials.data() + parts[j].offset + r * (HD + 2);
+        if (pr[HD + 1] > 0.f) big = std::max(big, pr[HD]);
+      }
+      float total = 0.f;
+      float acc[HD] = {};
+      for (int64_t j = i; j < e; ++j) {
+        const float* pr = partials.data() + parts[j].offset + r * (HD + 2);
+        if (!(pr[HD + 1] > 0.f)) continue;  // no key of this part is the row's
+        const float f = std::exp(pr[HD] - big);
+        total += pr[HD + 1] * f;
+        for (int64_t d = 0; d < HD; ++d) acc[d] += pr[d] * f;
+      }
+      const float inv = 1.f / total;
+      uint16_t* dst = ob + ((q_start + w.i0 + r / g) * H + w.h0 * g + r % g) * HD;
+      for (int64_t d = 0; d < HD; ++d) dst[d] = bf16_bits(acc[d] * inv);
+    }
+    i = e;
+  }
+  return true;
+}
+#endif
+
 template <typename T>
 void paged_attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                           const torch::Tensor& value_cache, const torch::Tensor& block_tables,
@@ -744,6 +844,13 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& query, const 
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
   T* o = out.data_ptr<T>();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (D == 64 && attention_parts<64>(items, q, kc, vc, tables, max_blocks, o, lens, qsl, H, Hkv, BS, scale, window, few_rows)) return;
+    if (D == 128 && attention_parts<128>(items, q, kc, vc, tables, max_blocks, o, lens, qsl, H, Hkv, BS, scale, window, few_rows)) return;
+    if (D == 256 && attention_parts<256>(items, q, kc, vc, tables, max_blocks, o, lens, qsl, H, Hkv, BS, scale, window, few_rows)) return;
+  }
+#endif
   const int64_t n = static_cast<int64_t>(items.size());
   const int threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
 #pragma omp parallel num_threads(threads)
@@ -798,7 +905,9 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& query, const 
 // (when > 0) is skipped (the caller attends it). bf16 on AVX512-BF16 builds: a chunk of
 // more than block_over query rows (tokens x the KV head's group; 0: none) takes
 // attend_block_bf16 in items of up to kBlockRows rows; items of up to few_rows query rows
-// (at most kFewRows; 0: none) take attend_rows_bf16; the rest attend_item.
+// (at most kFewRows; 0: none) take attend_rows_bf16; the rest attend_item. A step of only
+// few-row items, fewer than twice the threads (a batch-1 decode), splits each item's keys
+// across the threads and merges the parts (attention_parts).
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
                      int64_t sliding_window, int64_t q_chunk, int64_t skip_over, int64_t few_rows,

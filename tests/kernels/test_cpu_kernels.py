@@ -211,6 +211,27 @@ def test_w8a16_routes_few_rows_to_the_int8_gemv():
                        torch._weight_int8pack_mm(many.bfloat16(), qweight, scales).float())
 
 
+# Fewer few-row items than twice the threads (a batch-1 decode of a model with 3 KV heads is
+# 3 items on 2 threads): each item's keys are split into parts of at least 128 keys and the
+# parts merged (attention_parts). With one thread the items run whole: both against the
+# reference.
+@pytest.mark.parametrize("seqs", [[(1000, 1)], [(700, 1), (300, 2)], [(257, 1)], [(3000, 1)]],
+                         ids=["1000", "700-and-300x2", "257", "3000"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (6, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_attention_bf16_few_decodes_split_their_keys(seqs, heads, kv_heads, head_dim, window, threads):
+    batch = make_batch(seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                       dtype=torch.bfloat16, block_order="shuffled", seed=len(seqs))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.paged_attention(*batch.args(), batch.scale, sliding_window=window)
+    finally:
+        torch.set_num_threads(before)
+    assert_close_to_reference(out, batch, window)
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128)])
 @pytest.mark.parametrize("window", [None, 300])
 def test_paged_attention_bf16_blocked_loop_over_a_long_context(heads, kv_heads, head_dim, window):
