@@ -64,7 +64,8 @@ bench-serve: setup $(VENV)/.installed-bench
 # Batch-1 latency of pagoda's INT4 (--quantization int4) against
 # llama.cpp on the bundled model's own Q4_1 GGUF (and transformers serve), one load level.
 # llama.cpp is compared only when installed: .venv/bin/pip install 'llama-cpp-python[server]'
-# (builds llama.cpp from source, ~10 min on 2 cores). Writes docs/BENCHMARKS-serving-int4.md.
+# (builds llama.cpp from source, ~10 min on 2 cores). Writes docs/BENCHMARKS-serving-int4.md and
+# its plots, docs/serving-int4-*.png.
 # bf16 activations: torch's CPU int4 kernel computes in bf16 whatever the model dtype (float32
 # activations are cast to bf16 and back), and bf16 decode steps run their layers in one C++ call.
 BENCH_INT4_ARGS ?= --peers --dtype bfloat16 --server-args '--quantization int4' --concurrency 1 --input-len 128 --output-len 64 --num-prompts 8 --warmup 2 --request-timeout 300
@@ -72,7 +73,8 @@ BENCH_INT4_ARGS ?= --peers --dtype bfloat16 --server-args '--quantization int4' 
 bench-serve-int4: setup $(VENV)/.installed-bench
 	$(PY) -m loadtest $(BENCH_INT4_ARGS) \
 		--title 'Batch-1 latency: pagoda INT4 (--quantization int4) vs llama.cpp on its own Q4_1 GGUF (make bench-serve-int4)' \
-		--out .cache/bench-int4 --markdown docs/BENCHMARKS-serving-int4.md --json docs/bench-serving-int4.json --progress none $(ARGS)
+		--out .cache/bench-int4 --markdown docs/BENCHMARKS-serving-int4.md --json docs/bench-serving-int4.json \
+		--plots-dir docs --plot-prefix serving-int4- --progress none $(ARGS)
 
 # bf16 serving sweep (the CPU default where native) with vLLM's CPU build as a peer when
 # PAGODA_VLLM_PYTHON names its venv's Python (README: the recipe); transformers serve too.
