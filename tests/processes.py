@@ -11,7 +11,15 @@ import pytest
 
 from loadtest.processes import PORT, REPO_ROOT, HttpServer, NotReady, free_port, pagoda_command
 
-__all__ = ["PORT", "REPO_ROOT", "Server", "free_port", "pagoda_command"]
+__all__ = ["PORT", "REPO_ROOT", "TEST_KV_CACHE_GIB", "Server", "free_port", "pagoda_command"]
+
+TEST_KV_CACHE_GIB = 0.25
+"""The KV cache of the suite's `pagoda serve` processes (`--kv-cache-memory`). A server's KV
+cache is allocated and zeroed at start: the CPU default (2 GiB) made each start touch ~3 GB,
+and on this project's VMs pages not touched for a while come back slowly, so in-suite starts
+took 15-27 s instead of 7-9. 0.25 GiB is 5,824 tokens of the bundled model in float32, room
+for eleven requests of 512 tokens; a module that needs another size passes its own flag
+(the last one given wins)."""
 
 
 class Server(HttpServer):

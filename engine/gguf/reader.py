@@ -57,7 +57,6 @@ class MetadataField:
     """One metadata entry: its value as Python (a str, int, float, bool, or a list of them)
     and its value types (`[ARRAY, item type]` for an array), as gguf-py's field has them."""
 
-    name: str
     value: Any
     types: tuple[GGUFValueType, ...]
 
@@ -86,8 +85,7 @@ class GGUFFile:
     Raises ValueError for a file that is not GGUF, is truncated, or is big-endian."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._map = np.memmap(self.path, mode="r")
+        self._map = np.memmap(path, mode="r")
         self._buf = memoryview(self._map)
         try:
             self._read()
@@ -110,7 +108,7 @@ class GGUFFile:
             key, offset = self._string(offset)
             (kind,), offset = struct.unpack_from("<I", buf, offset), offset + 4
             value, types, offset = self._value(GGUFValueType(kind), offset)
-            self.fields[key] = MetadataField(key, value, types)
+            self.fields[key] = MetadataField(value, types)
         infos = []
         for _ in range(tensor_count):
             name, offset = self._string(offset)

@@ -341,6 +341,21 @@ struct KeyCursor {
 constexpr int64_t kFewRows = 8;         // items of up to this many query rows take attend_rows_bf16
 constexpr int64_t kPrefetchKeys = 1024;  // key rows prefetched into L2 when an item starts (128-512 KB)
 
+// The keys a few-row item (query tokens [i0, i1) of a chunk of q_len new tokens at the end
+// of ctx) attends: positions [lo, lo + n), its window's start to its newest token.
+struct ItemKeys { int64_t lo, n; };
+inline ItemKeys item_keys(int64_t ctx, int64_t q_len, int64_t i0, int64_t i1, int64_t window) {
+  const int64_t first_pos = ctx - q_len;  // position of new token 0
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + i0 - window + 1) : 0;
+  return {lo, first_pos + i1 - lo};
+}
+
+// Index (in rows of the head dim) of query row r of an item (token i0 + r / g of the chunk
+// starting at q_start, query head kvh * g + r % g): the same index in the output.
+inline int64_t item_row(int64_t q_start, int64_t i0, int64_t r, int64_t g, int64_t H, int64_t kvh) {
+  return (q_start + i0 + r / g) * H + kvh * g + r % g;
+}
+
 // One work item (as attend_item) of bf16 attention with few query rows: a decode (the KV
 // head's group of query heads) or a short chunk. attend_item's one online-softmax pass per
 // block spends most of its time on per-key horizontal sums and per-block rescaling; here
@@ -366,19 +381,17 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
   const int64_t g = H / Hkv;
   const int64_t rows = (i1 - i0) * g;
   const int64_t first_pos = ctx - q_len;  // position of new token 0
-  const int64_t last = first_pos + i1 - 1;  // newest position any row attends to
-  const int64_t item_lo = window > 0 ? std::max<int64_t>(0, first_pos + i0 - window + 1) : 0;
-  // keys [item_lo, last]; a part (key_count >= 0: attention_parts) takes key0.. of them
-  const int64_t lo = item_lo + key0;
-  const int64_t n = key_count >= 0 ? key_count : last + 1 - item_lo;
+  const ItemKeys item = item_keys(ctx, q_len, i0, i1, window);
+  // a part (key_count >= 0: attention_parts) takes the item's keys key0.. only
+  const int64_t lo = item.lo + key0;
+  const int64_t n = key_count >= 0 ? key_count : item.n;
   const int64_t stride = (n + 15) / 16 * 16;
-  scratch.resize(rows * stride + 2 * rows);
+  scratch.resize(rows * stride + rows);
   float* s = scratch.data();                // [rows][stride]: scores, then probabilities
   float* inv = s + rows * stride;           // [rows]: 1 / the row's softmax sum
-  float* sums = inv + rows;                 // [rows]: the sum (a part's, kept as it is)
   const int64_t row_stride = Hkv * HD;
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);
-  auto q_row = [&](int64_t r) { return qb + ((q_start + i0 + r / g) * H + kvh * g + r % g) * HD; };
+  auto q_row = [&](int64_t r) { return qb + item_row(q_start, i0, r, g, H, kvh) * HD; };
   const __m512 vscale = _mm512_set1_ps(scale);
 
   // The keys are scattered over the cache in blocks of BS tokens, each row a short stretch
@@ -427,7 +440,7 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
   for (int64_t r = 0; r < rows; ++r) {
     // This row's keys: p - window < k <= p, as indices into its scores.
     const int64_t p = first_pos + i0 + r / g;
-    const int64_t a = std::max<int64_t>(0, (window > 0 ? std::max(item_lo, p - window + 1) : item_lo) - lo);
+    const int64_t a = std::max<int64_t>(0, (window > 0 ? std::max(item.lo, p - window + 1) : item.lo) - lo);
     const int64_t b = std::min<int64_t>(n, p + 1 - lo);  // a >= b: none of this part's keys
     float* sr = s + r * stride;
     float m = -std::numeric_limits<float>::infinity();
@@ -441,8 +454,10 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
       sum += e;
     }
     inv[r] = 1.f / sum;
-    sums[r] = sum;
-    if (partial) partial[r * (HD + 2) + HD] = m;
+    if (partial) {
+      partial[r * (HD + 2) + HD] = m;
+      partial[r * (HD + 2) + HD + 1] = sum;
+    }
   }
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
     const int64_t rt = std::min(kTile, rows - r0);
@@ -465,10 +480,8 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
         }
       }
     }
-    for (int64_t r = 0; r < rt && partial; ++r) {  // a part: its unnormalised sums, max and sum
-      float* pr = partial + (r0 + r) * (HD + 2);
-      for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(pr + 16 * c, acc[r][c]);
-      pr[HD + 1] = sums[r0 + r];
+    for (int64_t r = 0; r < rt && partial; ++r) {  // a part: its unnormalised sums
+      for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(partial + (r0 + r) * (HD + 2) + 16 * c, acc[r][c]);
     }
     for (int64_t r = 0; r < rt && !partial; ++r) {
       uint16_t* o = reinterpret_cast<uint16_t*>(out) + (q_row(r0 + r) - qb);  // same index as the query row
@@ -729,9 +742,7 @@ bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, con
     const Item& w = items[it];
     const int64_t rows = (w.i1 - w.i0) * g;
     if (w.blocked || w.h1 - w.h0 != 1 || rows > std::min(few_rows, kFewRows)) return false;
-    const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq], first_pos = lens[w.seq] - q_len;
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + w.i0 - window + 1) : 0;
-    const int64_t n = first_pos + w.i1 - lo;  // the item's keys [lo, last]
+    const int64_t n = item_keys(lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0, w.i1, window).n;
     const int64_t p = std::max<int64_t>(1, std::min(want, n / kPartKeys));
     for (int64_t j = 0; j < p; ++j) {
       const int64_t k0 = n * j / p / 16 * 16, k1 = j + 1 == p ? n : n * (j + 1) / p / 16 * 16;
@@ -778,7 +789,7 @@ bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, con
         for (int64_t d = 0; d < HD; ++d) acc[d] += pr[d] * f;
       }
       const float inv = 1.f / total;
-      uint16_t* dst = ob + ((q_start + w.i0 + r / g) * H + w.h0 * g + r % g) * HD;
+      uint16_t* dst = ob + item_row(q_start, w.i0, r, g, H, w.h0) * HD;
       for (int64_t d = 0; d < HD; ++d) dst[d] = bf16_bits(acc[d] * inv);
     }
     i = e;

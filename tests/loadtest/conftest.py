@@ -3,17 +3,18 @@
 Started through `loadtest.servers.LaunchedServer` (the launcher `python -m loadtest` uses):
 its own session, output to a log file, ready when /health answers 200. Two servers at most:
 one shared by the module-level runs, and one the kill test kills. Both with a small KV cache
-(KV_CACHE_GIB, as tests/server/conftest.py explains): a start then takes 7-9 s, not 15-27.
+(tests/processes.py: TEST_KV_CACHE_GIB): a start then takes 7-9 s, not 15-27.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from processes import TEST_KV_CACHE_GIB
+
 from loadtest.servers import LaunchedServer, pagoda_spec
 
 MAX_MODEL_LEN = 512
-KV_CACHE_GIB = 0.25
 STARTUP_TIMEOUT_S = 120.0
 
 
@@ -25,7 +26,7 @@ def start_pagoda(default_model_path, tmp_path_factory):
 
     def start(extra_args: list[str] = ()) -> LaunchedServer:
         spec = pagoda_spec(default_model_path, None, ["--max-model-len", str(MAX_MODEL_LEN),
-                                                              "--kv-cache-memory", str(KV_CACHE_GIB), *extra_args])
+                                                              "--kv-cache-memory", str(TEST_KV_CACHE_GIB), *extra_args])
         server = LaunchedServer(spec, log_dir)
         started.append(server)
         try:

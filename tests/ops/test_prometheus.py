@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from processes import PORT, REPO_ROOT, Server, pagoda_command
+from processes import PORT, REPO_ROOT, TEST_KV_CACHE_GIB, Server, pagoda_command
 
 PROMETHEUS_YML = REPO_ROOT / "configs" / "prometheus.yml"
 DASHBOARD = REPO_ROOT / "configs" / "grafana-dashboard.json"
@@ -60,9 +60,9 @@ def test_promtool_accepts_prometheus_yml():
 @pytest.fixture(scope="module")
 def pagoda(default_model_path, tmp_path_factory):
     """`pagoda serve --config cpu-default` on a free loopback port (the preset, end to end), with
-    a small KV cache (tests/server/conftest.py: KV_CACHE_GIB says why)."""
+    a small KV cache (tests/processes.py: TEST_KV_CACHE_GIB says why)."""
     server = Server("pagoda", pagoda_command("--config", "cpu-default", "--max-model-len", "512", "--no-access-log",
-                                             "--kv-cache-memory", "0.25"),
+                                             "--kv-cache-memory", str(TEST_KV_CACHE_GIB)),
                     tmp_path_factory.mktemp("pagoda"))
     try:
         server.wait_ready(PAGODA_STARTUP_S)

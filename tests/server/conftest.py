@@ -1,8 +1,9 @@
 """End-to-end fixtures: the real `pagoda serve` as a subprocess on a free port
 (tests/processes.py, over loadtest/processes.py).
 
-Each server process costs 7-9 s to start and ~1.4 GB: one is shared by the whole session
-(`server_url`); a module that needs other flags starts its own and stops it when it ends.
+Each server process (with a small KV cache: tests/processes.py TEST_KV_CACHE_GIB) costs 7-9 s
+to start and ~1.4 GB: one is shared by the whole session (`server_url`); a module that needs
+other flags starts its own and stops it when it ends.
 """
 
 from __future__ import annotations
@@ -13,18 +14,12 @@ import time
 import httpx
 import openai
 import pytest
-from processes import Server, pagoda_command
+from processes import TEST_KV_CACHE_GIB, Server, pagoda_command
 from prometheus_client.parser import text_string_to_metric_families
 
 MAX_MODEL_LEN = 512
 MAX_BODY_BYTES = 2 * 1024 * 1024
 STARTUP_TIMEOUT_S = 120.0
-# A server's KV cache is allocated and zeroed at start: the CPU default (2 GiB) made each
-# start touch ~3 GB, and on this project's VMs pages not touched for a while come back
-# slowly, so in-suite starts took 15-27 s instead of 7-9. 0.25 GiB is 5,824 tokens of the
-# bundled model in float32, room for eleven requests of MAX_MODEL_LEN; a module that needs
-# another size passes its own flag (the last one given wins).
-KV_CACHE_GIB = 0.25
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +38,7 @@ def start_server(default_model_path, tmp_path_factory):
             "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", str(MAX_BODY_BYTES),
             # What "auto" is on a CPU, fixed so that comparisons with a float32 Hugging Face
             # forward pass hold on any machine.
-            "--dtype", "float32", "--kv-cache-memory", str(KV_CACHE_GIB), *extra_args), log_dir)
+            "--dtype", "float32", "--kv-cache-memory", str(TEST_KV_CACHE_GIB), *extra_args), log_dir)
         started.append(server)
         server.wait_ready(STARTUP_TIMEOUT_S)
         return server

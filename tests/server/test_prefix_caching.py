@@ -114,8 +114,7 @@ def test_prefix_cache_counters_count_hits(client, server_url, model_name, helper
 
 @pytest.fixture(scope="module")
 def uncached_server(start_server):
-    # A small KV cache: this is the third server process of the session.
-    server = start_server(["--no-prefix-caching", "--kv-cache-memory", "0.25"])
+    server = start_server(["--no-prefix-caching"])
     yield server
     server.stop()
 
