@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from engine.request import Request
+from kernels import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ class Sampler:
                 if _needs_processing(request):
                     _apply_penalties_and_bias(logits[row], request)
 
-        token_ids = logits.argmax(dim=-1)
+        token_ids = cpu_kernels.argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         noise: dict[int, torch.Tensor] = {}
         if random_rows:

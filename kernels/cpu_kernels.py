@@ -183,7 +183,7 @@ def bf16_decode_layers(x: torch.Tensor, layer_tensors: list[torch.Tensor], kinds
                        kv_caches: list[torch.Tensor], windows: list[int], cos: torch.Tensor, sin: torch.Tensor,
                        positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       scale: float, eps: float) -> None:
+                       scale: float, eps: float, final_norm: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
     """A decode step's Llama-style decoder layers for a few bf16 rows in one call
     (csrc/cpu_kernels.cpp `bf16_decode_layers`): x [M, hidden], the embeddings, becomes the
     last layer's output in place. The same kernels, order and rounding as the model's
@@ -197,10 +197,30 @@ def bf16_decode_layers(x: torch.Tensor, layer_tensors: list[torch.Tensor], kinds
     GEMV), G > 0 torch's CPU int4 layout with group size G, -1 int8 with bf16 row scales.
     `kv_caches`: key, value per layer; `windows`: each layer's sliding window (0: none).
     Only where `bf16_gemv_available()` and `few_rows_q_chunk` is not None for the head
-    dim (engine/models/llama.py `FusedDecodeLayers` checks both)."""
+    dim (engine/models/llama.py `FusedDecodeLayers` checks both).
+
+    Returns the model's final norm (weight `final_norm` [hidden], bf16) of x's rows
+    `out_rows` (int64 [R]: the rows that sample), [R, hidden], as `add_rms_norm` with no add
+    computes it."""
+    out = x.new_empty((out_rows.shape[0], x.shape[1]))
     load().bf16_decode_layers(x, layer_tensors, kinds, kv_caches, windows, cos, sin, positions, slot_mapping,
                               block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, scale, eps,
-                              _few_rows_per_item(num_heads, num_kv_heads), FEW_ROWS, BLOCK_MIN_ROWS)
+                              _few_rows_per_item(num_heads, num_kv_heads), FEW_ROWS, BLOCK_MIN_ROWS, final_norm,
+                              out_rows, out)
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of float32 rows [R, V]: the first index of each row's largest
+    value (a NaN counts as the largest). On CPU through the extension's `argmax_rows` where
+    it is built (torch's CPU argmax is a scalar loop: ~45 us for a 49k vocabulary, a greedy
+    decode step's sampling; ~5 us there), otherwise torch's."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] > 0 and logits.is_contiguous()):
+        module = load()
+        if module is not None:
+            return module.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def _rowwise(kernel, x: torch.Tensor, n: int) -> torch.Tensor:

@@ -315,6 +315,7 @@ class FusedDecodeLayers:
             for linear in (mlp.gate_up_proj, mlp.down_proj):
                 self._add_linear(linear)
             self.windows.append(int(attn.sliding_window or 0))
+        self.final_norm = model.model.norm.weight.data
         self.rope = model.rope
 
     def _add_linear(self, linear: nn.Module) -> None:
@@ -335,7 +336,10 @@ class FusedDecodeLayers:
         if os.environ.get("PAGODA_CPU_FUSED_DECODE", "1") == "0" or not cpu_kernels.bf16_gemv_available():
             return None
         args = model.args
+        final = model.model.norm
         if (type(model).layer_ropes is not LlamaForCausalLM.layer_ropes or type(model).embed is not LlamaForCausalLM.embed
+                or type(model).final_norm is not LlamaForCausalLM.final_norm
+                or type(final) is not RMSNorm or final.eps != args.rms_norm_eps or final.weight.dtype != torch.bfloat16
                 or not isinstance(model.rope, RotaryEmbedding) or args.qk_norm
                 or not cpu_kernels.blocked_attention_runs(torch.bfloat16, args.head_dim)):
             return None
@@ -363,13 +367,15 @@ class FusedDecodeLayers:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states of the rows at `meta.logits_indices`: every layer, then the
+        model's final norm of those rows (as `LlamaForCausalLM.final_norm` computes it on
+        this backend), in the one call."""
         caches = [c for pair in kv_caches for c in pair]
-        cpu_kernels.bf16_decode_layers(
+        return cpu_kernels.bf16_decode_layers(
             x, self.tensors, self.kinds, caches, self.windows, *self.rope.tables(), positions, meta.slot_mapping,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, self.num_heads, self.num_kv_heads, self.scale,
-            self.eps,
+            self.eps, self.final_norm, meta.logits_indices,
         )
-        return x
 
 
 def _is_cpu_int4(linear: nn.Module) -> bool:
@@ -447,14 +453,22 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states of the tokens at `meta.logits_indices`."""
         x = self.embed(input_ids)
         if self.fused_decode is not None and self.fused_decode.runs(x, kv_caches, ops):
-            x = self.fused_decode(x, positions, kv_caches, meta)
-            return self.model.norm(x[meta.logits_indices])
+            return self.fused_decode(x, positions, kv_caches, meta)  # the final norm included
         ropes = self.layer_ropes(positions)
         with ops.forward_scope():  # the layers share this step's metadata (and what ops derive from it)
             for layer, rope, kv_cache in zip(self.model.layers, ropes, kv_caches):
                 x = layer(x, positions, rope, kv_cache, meta, ops)
         # Only the positions that sample need the final norm and the (large) LM head.
-        return self.model.norm(x[meta.logits_indices])
+        return self.final_norm(x[meta.logits_indices], ops)
+
+    def final_norm(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """The final norm of the rows that sample. In bf16 on the C++ kernel backend through
+        the layers' `add_rms_norm` kernel (no add), which the fused decode call also runs
+        (`FusedDecodeLayers`): both paths give the same bits. Elsewhere (float32, where the
+        tokens are compared with Hugging Face's, and other backends) the module's own ops."""
+        if ops.backend == "cpu" and x.dtype == torch.bfloat16 and type(self.model.norm) is RMSNorm:
+            return self.model.norm.add_norm(x.contiguous(), None, ops)[0]
+        return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # None on tensor-parallel ranks other than 0

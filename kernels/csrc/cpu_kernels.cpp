@@ -1503,13 +1503,16 @@ struct DecodeLinear {
 // bias, scales each: 14 per layer. kinds: each layer's four linears' DecodeLinear kinds.
 // kv_caches: key, value per layer. windows: each layer's sliding window (0: none). The
 // attention arguments after them are paged_attention's (its bf16 routing: q_chunk,
-// few_rows, block_over), the metadata shared by every layer.
+// few_rows, block_over), the metadata shared by every layer. out [R, hidden]: the model's
+// final norm (`final_norm`) of x's rows `out_rows` [R] (the rows that sample): the step's
+// last Python op, done here while x is in cache.
 void bf16_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> kinds,
                         std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows, torch::Tensor cos,
                         torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                         int64_t num_heads, int64_t num_kv_heads, double scale, double eps, int64_t q_chunk,
-                        int64_t few_rows, int64_t block_over) {
+                        int64_t few_rows, int64_t block_over, torch::Tensor final_norm, torch::Tensor out_rows,
+                        torch::Tensor out) {
   constexpr size_t kPerLayer = 14;
   const size_t L = windows.size();
   TORCH_CHECK(layer_tensors.size() == kPerLayer * L && kinds.size() == 4 * L && kv_caches.size() == 2 * L,
@@ -1525,6 +1528,15 @@ void bf16_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_tensor
               "bf16_decode_layers: contiguous float32 rotary tables expected");
   const int64_t M = x.size(0), hidden = x.size(1);
   const int64_t H = num_heads, Hkv = num_kv_heads;
+  const int64_t R = out_rows.numel();
+  TORCH_CHECK(final_norm.scalar_type() == at::kBFloat16 && final_norm.is_contiguous() && final_norm.numel() == hidden &&
+                  out_rows.scalar_type() == at::kLong && out_rows.dim() == 1 && out.scalar_type() == at::kBFloat16 &&
+                  out.is_contiguous() && out.dim() == 2 && out.size(0) == R && out.size(1) == hidden,
+              "bf16_decode_layers: a bfloat16 final norm [hidden], int64 out_rows [R] and a bfloat16 out [R, hidden] expected");
+  const int64_t* out_row = out_rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(out_row[r] >= 0 && out_row[r] < M, "bf16_decode_layers: out_rows index ", out_row[r], " not in [0, ", M, ")");
+  }
   auto linear_of = [&](size_t l, int i) {
     const torch::Tensor* t = &layer_tensors[kPerLayer * l + (i < 2 ? 1 + 3 * i : 8 + 3 * (i - 2))];
     const int64_t kind = kinds[4 * l + i];
@@ -1588,8 +1600,68 @@ void bf16_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_tensor
       mlp_out = down(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I));
     }
   }
-  // The last layer's `x + mlp(h)`.
+  // The last layer's `x + mlp(h)`, then the final norm of the rows that sample: the
+  // model's `norm(x[rows])` as add_rms_norm computes it with no add (the per-op forward's
+  // kernel on this backend), row by row.
   x.add_(mlp_out);
+  std::vector<float> row(hidden), wf(hidden);
+  const auto* xb = x.data_ptr<c10::BFloat16>();
+  for (int64_t r = 0; r < R; ++r) {
+    load_row(row.data(), xb + out_row[r] * hidden, hidden);
+    rms_norm_row<c10::BFloat16>(out.data_ptr<c10::BFloat16>() + r * hidden, row.data(),
+                                final_norm.data_ptr<c10::BFloat16>(), hidden, static_cast<float>(eps), wf.data());
+  }
+}
+
+// The index of each row's largest value, as torch.argmax(dim=-1) gives it: the first
+// index of the maximum; a row holding a NaN gives its first NaN (NaN compares greatest).
+// torch's CPU argmax runs a scalar loop at ~1 ns an element, ~45 us for a 49,152-token
+// vocabulary: a greedy decode step's sampling. Here two vector passes over the row (its
+// maximum, then the first lane equal to it) take a few microseconds.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.size(1) > 0,
+              "argmax_rows: a contiguous float32 [rows, n > 0] expected");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  torch::Tensor out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* idx = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = logits.data_ptr<float>() + r * n;
+    int64_t best = -1;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      vmax = _mm512_max_ps(vmax, v);
+    }
+    float m = _mm512_reduce_max_ps(vmax);
+    bool has_nan = nan != 0;
+    for (int64_t j = i; j < n; ++j) {
+      has_nan |= std::isnan(x[j]);
+      m = std::max(m, x[j]);
+    }
+    if (!has_nan) {
+      const __m512 vm = _mm512_set1_ps(m);
+      for (i = 0; i + 16 <= n && best < 0; i += 16) {
+        const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vm, _CMP_EQ_OQ);
+        if (eq) best = i + __builtin_ctz(static_cast<unsigned>(eq));
+      }
+      for (int64_t j = i; j < n && best < 0; ++j) {
+        if (x[j] == m) best = j;
+      }
+    }
+#endif
+    if (best < 0) {  // a NaN in the row (or no AVX-512): the scalar rule
+      best = 0;
+      for (int64_t j = 1; j < n && !std::isnan(x[best]); ++j) {
+        if (std::isnan(x[j]) || x[j] > x[best]) best = j;
+      }
+    }
+    idx[r] = best;
+  }
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1602,4 +1674,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv);
   m.def("bf16_silu_mlp", &bf16_silu_mlp);
   m.def("bf16_decode_layers", &bf16_decode_layers);
+  m.def("argmax_rows", &argmax_rows);
 }

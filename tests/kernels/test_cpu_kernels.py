@@ -265,3 +265,46 @@ def test_bf16_silu_mlp_equals_the_eager_ops(rows, hidden, inter):
     gd, ud = torch.nn.functional.linear(x.double(), gate_up.double()).split(inter, dim=-1)
     exact = torch.nn.functional.linear(torch.nn.functional.silu(gd) * ud, down.double())
     torch.testing.assert_close(got.double(), exact, atol=3e-2, rtol=3e-2)
+
+
+def _argmax_cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "vocab rows": torch.randn(3, 49152, generator=g),
+        "not a multiple of 16": torch.randn(2, 37, generator=g),
+        "shorter than a vector": torch.randn(4, 5, generator=g),
+        "one element": torch.randn(2, 1, generator=g),
+    }
+    ties = torch.zeros(2, 100)
+    ties[0, [17, 40, 99]] = 3.0  # the first of equal maxima
+    ties[1, 96:] = 1.0  # ... in the scalar tail
+    cases["ties"] = ties
+    signed_zeros = torch.full((1, 40), -1.0)
+    signed_zeros[0, 20], signed_zeros[0, 25] = -0.0, 0.0  # -0.0 == 0.0: the first wins
+    cases["signed zeros"] = signed_zeros
+    cases["all -inf"] = torch.full((2, 33), float("-inf"))
+    nan = torch.randn(3, 70, generator=g)
+    nan[0, 50] = float("nan")  # NaN counts as the largest
+    nan[1, [3, 69]] = float("nan")
+    nan[2, 66] = float("nan")  # in the scalar tail
+    cases["NaN"] = nan
+    inf = torch.randn(1, 64, generator=g)
+    inf[0, [9, 30]] = float("inf")
+    cases["+inf"] = inf
+    return cases
+
+
+@pytest.mark.parametrize("case", list(_argmax_cases()))
+def test_argmax_rows_equals_torch_argmax(case):
+    """The sampler's greedy pick (kernels/cpu_kernels.py `argmax`): torch.argmax's index,
+    the first of equal maxima, NaN as the largest."""
+    logits = _argmax_cases()[case]
+    got = cpu_kernels.argmax(logits)
+    assert got.dtype == torch.int64
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_argmax_takes_what_the_kernel_does_not_through_torch():
+    x = torch.randn(4, 10)
+    assert cpu_kernels.argmax(x.t()).tolist() == x.t().argmax(dim=-1).tolist()  # not contiguous
+    assert cpu_kernels.argmax(x.bfloat16()).tolist() == x.bfloat16().argmax(dim=-1).tolist()

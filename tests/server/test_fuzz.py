@@ -143,8 +143,8 @@ def post(http, path, body) -> httpx.Response:
 
 
 @pytest.mark.parametrize("path,max_examples", [
-    ("/v1/completions", 70),
-    ("/v1/chat/completions", 50),
+    ("/v1/completions", 45),
+    ("/v1/chat/completions", 30),
     ("/tokenize", 30),
     ("/detokenize", 20),
 ])

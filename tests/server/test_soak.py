@@ -24,11 +24,12 @@ import httpx
 import pytest
 
 ROUNDS = int(os.environ.get("PAGODA_SOAK_ROUNDS", "2"))
-ROUND_SIZE = 64
+ROUND_SIZE = 40
 MAX_MODEL_LEN = 192
-# 48 blocks of 16 tokens (46080 bytes per token in float32): 768 tokens for 8 sequences
-# of up to 192 tokens, so a full batch does not fit and the newest requests get preempted.
-KV_CACHE_GIB = 48 * 16 * 46080 / 2**30 + 1e-6
+# 32 blocks of 16 tokens (46080 bytes per token in float32): 512 tokens for 8 sequences
+# of up to 192 tokens (~100 on average), so a full batch does not fit and the newest
+# requests get preempted.
+KV_CACHE_GIB = 32 * 16 * 46080 / 2**30 + 1e-6
 MAX_NUM_SEQS = 8
 RSS_GROWTH_LIMIT = 0.10
 """Allowed RSS growth from round 1 (warm-up: every batch shape, allocator pools and
