@@ -89,10 +89,9 @@ class ModelRunner:
                 base = query_start_loc[-2] - start
                 for p in range(first, min(end, request.num_prompt_tokens - 1)):
                     prompt_rows.append((request, base + p, p + 1))
+        # One tensor from padded lists (block 0 past a table's end): one op, not one per row.
         max_blocks = max(len(t) for t in tables)
-        block_tables = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
-        for i, table in enumerate(tables):
-            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),

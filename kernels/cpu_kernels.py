@@ -179,14 +179,14 @@ def bf16_silu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: to
                     down_weight.shape[0])
 
 
-def bf16_decode_layers(x: torch.Tensor, layer_tensors: list[torch.Tensor], kinds: list[int],
+def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_tensors: list[torch.Tensor], kinds: list[int],
                        kv_caches: list[torch.Tensor], windows: list[int], cos: torch.Tensor, sin: torch.Tensor,
                        positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
                        scale: float, eps: float, final_norm: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
     """A decode step's Llama-style decoder layers for a few bf16 rows in one call
-    (csrc/cpu_kernels.cpp `bf16_decode_layers`): x [M, hidden], the embeddings, becomes the
-    last layer's output in place. The same kernels, order and rounding as the model's
+    (csrc/cpu_kernels.cpp `bf16_decode_layers`): the tokens `input_ids` (int64 [M]) looked
+    up in `embedding` [vocab, hidden] (bf16), then every layer. The same kernels, order and rounding as the model's
     per-op forward (`add_rms_norm`, the linears' kernels, `rotary`, `reshape_and_cache`,
     `paged_attention` on its bf16 route, the MLP's SiLU), so the result is bit-identical
     to it, without ~10 Python calls per layer.
@@ -199,15 +199,13 @@ def bf16_decode_layers(x: torch.Tensor, layer_tensors: list[torch.Tensor], kinds
     Only where `bf16_gemv_available()` and `few_rows_q_chunk` is not None for the head
     dim (engine/models/llama.py `FusedDecodeLayers` checks both).
 
-    Returns the model's final norm (weight `final_norm` [hidden], bf16) of x's rows
-    `out_rows` (int64 [R]: the rows that sample), [R, hidden], as `add_rms_norm` with no add
-    computes it."""
-    out = x.new_empty((out_rows.shape[0], x.shape[1]))
-    load().bf16_decode_layers(x, layer_tensors, kinds, kv_caches, windows, cos, sin, positions, slot_mapping,
-                              block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, scale, eps,
-                              _few_rows_per_item(num_heads, num_kv_heads), FEW_ROWS, BLOCK_MIN_ROWS, final_norm,
-                              out_rows, out)
-    return out
+    Returns the model's final norm (weight `final_norm` [hidden], bf16) of the last layer's
+    output rows `out_rows` (int64 [R]: the rows that sample), [R, hidden], as `add_rms_norm`
+    with no add computes it."""
+    return load().bf16_decode_layers(input_ids, embedding, layer_tensors, kinds, kv_caches, windows, cos, sin,
+                                     positions, slot_mapping, block_tables, seq_lens, query_start_loc, num_heads,
+                                     num_kv_heads, scale, eps, _few_rows_per_item(num_heads, num_kv_heads), FEW_ROWS,
+                                     BLOCK_MIN_ROWS, final_norm, out_rows)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -279,9 +279,10 @@ class DecoderLayer(nn.Module):
 
 
 class FusedDecodeLayers:
-    """Every decoder layer of a decode step in one C++ call (kernels/cpu_kernels.py
-    `bf16_decode_layers`), for the few bf16 rows the decode linears' small-batch kernels
-    take: the bf16 GEMV on dense weights, torch's int4 and int8 CPU kernels on quantized ones.
+    """A decode step's embedding lookup, every decoder layer and the final norm of its
+    sampling rows in one C++ call (kernels/cpu_kernels.py `bf16_decode_layers`), for the few bf16 rows the decode
+    linears' small-batch kernels take: the bf16 GEMV on dense weights, torch's int4 and int8
+    CPU kernels on quantized ones.
 
     At batch 1 the bundled model's bf16 step streams ~270 MB of weights, ~8 ms at this
     project's VM's bandwidth, and the per-op forward adds ~10 Python calls per layer (each
@@ -315,6 +316,7 @@ class FusedDecodeLayers:
             for linear in (mlp.gate_up_proj, mlp.down_proj):
                 self._add_linear(linear)
             self.windows.append(int(attn.sliding_window or 0))
+        self.embedding = model.model.embed_tokens.weight.data
         self.final_norm = model.model.norm.weight.data
         self.rope = model.rope
 
@@ -340,6 +342,8 @@ class FusedDecodeLayers:
         if (type(model).layer_ropes is not LlamaForCausalLM.layer_ropes or type(model).embed is not LlamaForCausalLM.embed
                 or type(model).final_norm is not LlamaForCausalLM.final_norm
                 or type(final) is not RMSNorm or final.eps != args.rms_norm_eps or final.weight.dtype != torch.bfloat16
+                or type(model.model.embed_tokens) is not nn.Embedding
+                or model.model.embed_tokens.weight.dtype != torch.bfloat16
                 or not isinstance(model.rope, RotaryEmbedding) or args.qk_norm
                 or not cpu_kernels.blocked_attention_runs(torch.bfloat16, args.head_dim)):
             return None
@@ -359,20 +363,20 @@ class FusedDecodeLayers:
                     max_rows = min(max_rows, linear.gemv_max_rows)
         return cls(model, max_rows)
 
-    def runs(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: KernelOps) -> bool:
-        """Whether this step's layers go through the C++ call: a few bf16 rows on the C++
+    def runs(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: KernelOps) -> bool:
+        """Whether this step's layers go through the C++ call: a few rows (tokens) on the C++
         kernel backend, over bf16 KV caches."""
-        return (ops.backend == "cpu" and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= self.max_rows
+        return (ops.backend == "cpu" and 0 < input_ids.shape[0] <= self.max_rows
                 and kv_caches[0][0].dtype == torch.bfloat16)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """The final hidden states of the rows at `meta.logits_indices`: every layer, then the
-        model's final norm of those rows (as `LlamaForCausalLM.final_norm` computes it on
-        this backend), in the one call."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states of the rows at `meta.logits_indices`: the embedding lookup,
+        every layer, then the model's final norm of those rows (as
+        `LlamaForCausalLM.final_norm` computes it on this backend), in the one call."""
         caches = [c for pair in kv_caches for c in pair]
         return cpu_kernels.bf16_decode_layers(
-            x, self.tensors, self.kinds, caches, self.windows, *self.rope.tables(), positions, meta.slot_mapping,
+            input_ids.contiguous(), self.embedding, self.tensors, self.kinds, caches, self.windows, *self.rope.tables(), positions, meta.slot_mapping,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, self.num_heads, self.num_kv_heads, self.scale,
             self.eps, self.final_norm, meta.logits_indices,
         )
@@ -451,9 +455,9 @@ class LlamaForCausalLM(nn.Module):
         ops: KernelOps,
     ) -> torch.Tensor:
         """Returns the final hidden states of the tokens at `meta.logits_indices`."""
+        if self.fused_decode is not None and self.fused_decode.runs(input_ids, kv_caches, ops):
+            return self.fused_decode(input_ids, positions, kv_caches, meta)  # the lookup and the final norm included
         x = self.embed(input_ids)
-        if self.fused_decode is not None and self.fused_decode.runs(x, kv_caches, ops):
-            return self.fused_decode(x, positions, kv_caches, meta)  # the final norm included
         ropes = self.layer_ropes(positions)
         with ops.forward_scope():  # the layers share this step's metadata (and what ops derive from it)
             for layer, rope, kv_cache in zip(self.model.layers, ropes, kv_caches):

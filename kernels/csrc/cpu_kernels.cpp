@@ -1497,28 +1497,29 @@ struct DecodeLinear {
 // objects) cost ~30% of the step on top of the weight stream; here a layer costs its
 // kernels only.
 //
-// x [M, hidden]: the embeddings in, the last layer's output (its residual stream) out,
-// updated in place. layer_tensors: per layer, in this order, input_norm [hidden]; qkv,
+// input_ids [M] (int64): the step's tokens, looked up in `embedding` [vocab, hidden] (the
+// model's `embed`: its rows as they are) into the residual stream x [M, hidden]. layer_tensors: per layer, in this order, input_norm [hidden]; qkv,
 // o: weight, bias, scales each (DecodeLinear); post_norm [hidden]; gate_up, down: weight,
 // bias, scales each: 14 per layer. kinds: each layer's four linears' DecodeLinear kinds.
 // kv_caches: key, value per layer. windows: each layer's sliding window (0: none). The
 // attention arguments after them are paged_attention's (its bf16 routing: q_chunk,
-// few_rows, block_over), the metadata shared by every layer. out [R, hidden]: the model's
-// final norm (`final_norm`) of x's rows `out_rows` [R] (the rows that sample): the step's
-// last Python op, done here while x is in cache.
-void bf16_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> kinds,
+// few_rows, block_over), the metadata shared by every layer. Returns [R, hidden]: the
+// model's final norm (`final_norm`) of the last layer's output rows `out_rows` [R] (the
+// rows that sample). The lookup and the norm were the eager ops around the call, each
+// several times slower there than alone (the weight stream evicts their working set).
+torch::Tensor bf16_decode_layers(torch::Tensor input_ids, torch::Tensor embedding, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> kinds,
                         std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows, torch::Tensor cos,
                         torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                         int64_t num_heads, int64_t num_kv_heads, double scale, double eps, int64_t q_chunk,
-                        int64_t few_rows, int64_t block_over, torch::Tensor final_norm, torch::Tensor out_rows,
-                        torch::Tensor out) {
+                        int64_t few_rows, int64_t block_over, torch::Tensor final_norm, torch::Tensor out_rows) {
   constexpr size_t kPerLayer = 14;
   const size_t L = windows.size();
   TORCH_CHECK(layer_tensors.size() == kPerLayer * L && kinds.size() == 4 * L && kv_caches.size() == 2 * L,
               "bf16_decode_layers: 14 tensors, 4 linear kinds and 2 caches per layer expected");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "bf16_decode_layers: contiguous bfloat16 x [M, hidden] expected");
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() &&
+                  embedding.dim() == 2 && embedding.scalar_type() == at::kBFloat16 && embedding.is_contiguous(),
+              "bf16_decode_layers: int64 input_ids [M] and a contiguous bfloat16 embedding [vocab, hidden] expected");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt && positions.scalar_type() == at::kLong &&
                   slot_mapping.scalar_type() == at::kLong,
@@ -1526,13 +1527,16 @@ void bf16_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_tensor
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous(),
               "bf16_decode_layers: contiguous float32 rotary tables expected");
-  const int64_t M = x.size(0), hidden = x.size(1);
+  const int64_t M = input_ids.numel(), vocab = embedding.size(0), hidden = embedding.size(1);
   const int64_t H = num_heads, Hkv = num_kv_heads;
   const int64_t R = out_rows.numel();
   TORCH_CHECK(final_norm.scalar_type() == at::kBFloat16 && final_norm.is_contiguous() && final_norm.numel() == hidden &&
-                  out_rows.scalar_type() == at::kLong && out_rows.dim() == 1 && out.scalar_type() == at::kBFloat16 &&
-                  out.is_contiguous() && out.dim() == 2 && out.size(0) == R && out.size(1) == hidden,
-              "bf16_decode_layers: a bfloat16 final norm [hidden], int64 out_rows [R] and a bfloat16 out [R, hidden] expected");
+                  out_rows.scalar_type() == at::kLong && out_rows.dim() == 1 && out_rows.is_contiguous(),
+              "bf16_decode_layers: a bfloat16 final norm [hidden] and int64 out_rows [R] expected");
+  const int64_t* ids = input_ids.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(ids[m] >= 0 && ids[m] < vocab, "bf16_decode_layers: token id ", ids[m], " not in [0, ", vocab, ")");
+  }
   const int64_t* out_row = out_rows.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) {
     TORCH_CHECK(out_row[r] >= 0 && out_row[r] < M, "bf16_decode_layers: out_rows index ", out_row[r], " not in [0, ", M, ")");
@@ -1565,8 +1569,14 @@ void bf16_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_tensor
                   "bf16_decode_layers: contiguous bfloat16 caches [blocks, block_size, Hkv, D] expected");
     }
   }
-  if (M == 0 || L == 0) return;
-  const auto opts = x.options();
+  const auto opts = embedding.options();
+  torch::Tensor out = torch::empty({R, hidden}, opts);
+  if (M == 0) return out;
+  torch::Tensor x = torch::empty({M, hidden}, opts);  // the residual stream: the embeddings first
+  for (int64_t m = 0; m < M; ++m) {
+    std::memcpy(x.data_ptr<c10::BFloat16>() + m * hidden, embedding.data_ptr<c10::BFloat16>() + ids[m] * hidden,
+                hidden * sizeof(c10::BFloat16));
+  }
   auto bt = block_tables.contiguous();
   torch::Tensor h = torch::empty({M, hidden}, opts);
   torch::Tensor mlp_out;  // the previous layer's MLP output: added to x by the next norm
@@ -1603,7 +1613,7 @@ void bf16_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_tensor
   // The last layer's `x + mlp(h)`, then the final norm of the rows that sample: the
   // model's `norm(x[rows])` as add_rms_norm computes it with no add (the per-op forward's
   // kernel on this backend), row by row.
-  x.add_(mlp_out);
+  if (mlp_out.defined()) x.add_(mlp_out);
   std::vector<float> row(hidden), wf(hidden);
   const auto* xb = x.data_ptr<c10::BFloat16>();
   for (int64_t r = 0; r < R; ++r) {
@@ -1611,6 +1621,7 @@ void bf16_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_tensor
     rms_norm_row<c10::BFloat16>(out.data_ptr<c10::BFloat16>() + r * hidden, row.data(),
                                 final_norm.data_ptr<c10::BFloat16>(), hidden, static_cast<float>(eps), wf.data());
   }
+  return out;
 }
 
 // The index of each row's largest value, as torch.argmax(dim=-1) gives it: the first

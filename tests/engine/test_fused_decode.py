@@ -113,7 +113,7 @@ def test_fused_decode_layers_equal_the_per_op_forward(arch, quantization, batch)
     assert fused is not None, f"{arch} {quantization}: the fused decode should run for this model"
     assert fused.kinds.count(0) == (len(fused.kinds) if quantization is None else 0)
     input_ids, positions, caches, meta = make_step(model, BATCHES[batch])
-    assert fused.runs(model.embed(input_ids), caches, get_ops("cpu", torch.device("cpu")))
+    assert fused.runs(input_ids, caches, get_ops("cpu", torch.device("cpu")))
     expected, expected_caches = forward(model, None, input_ids, positions, caches, meta)
     got, got_caches = forward(model, fused, input_ids, positions, caches, meta)
     assert torch.equal(got, expected)
@@ -130,7 +130,7 @@ def test_more_rows_than_the_gemv_takes_run_per_op():
     model = make_model("llama")
     fused = FusedDecodeLayers.build(model)
     ops = get_ops("cpu", torch.device("cpu"))
-    x = torch.zeros(fused.max_rows + 1, model.args.hidden_size, dtype=torch.bfloat16)
+    x = torch.zeros(fused.max_rows + 1, dtype=torch.int64)  # the step's tokens
     caches = [(torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16),) * 2]
     assert fused.runs(x[: fused.max_rows], caches, ops)
     assert not fused.runs(x, caches, ops)
@@ -149,3 +149,16 @@ def test_fused_decode_declines_what_it_does_not_run(arch, dtype, quantization):
 def test_fused_decode_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PAGODA_CPU_FUSED_DECODE", "0")
     assert FusedDecodeLayers.build(make_model("llama")) is None
+
+
+def test_a_token_outside_the_vocabulary_is_an_error_not_a_read_past_the_table():
+    """The fused call looks the tokens up itself: an id past the table raises, as the
+    per-op forward's embedding does, instead of reading whatever lies after it."""
+    model = make_model("llama")
+    fused = FusedDecodeLayers.build(model)
+    input_ids, positions, caches, meta = make_step(model, BATCHES["three decodes"])
+    input_ids[1] = model.args.vocab_size
+    with pytest.raises(RuntimeError, match="token id .* not in"):
+        forward(model, fused, input_ids, positions, caches, meta)
+    with pytest.raises(IndexError):
+        forward(model, None, input_ids, positions, caches, meta)
