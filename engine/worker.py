@@ -150,6 +150,10 @@ class Worker:
         chunk into `prompt_logprobs.result` and not returned (engine/prompt_logprobs.py)."""
         if blocks_to_copy is not None:
             self.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], blocks_to_copy)
+        if prompt_logprobs is None:  # a decode step on CPU: the whole forward and the LM head in one C++ call
+            logits = self.model.decode_logits(input_ids, positions, self.kv_caches, meta, self.ops)
+            if logits is not None:
+                return logits
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.ops)
         return chunked_logits(self.model.compute_logits, hidden, prompt_logprobs)
 

@@ -183,7 +183,8 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
                        kv_caches: list[torch.Tensor], windows: list[int], cos: torch.Tensor, sin: torch.Tensor,
                        positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       scale: float, eps: float, final_norm: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
+                       scale: float, eps: float, final_norm: torch.Tensor, out_rows: torch.Tensor,
+                       lm_head: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's Llama-style decoder layers for a few bf16 rows in one call
     (csrc/cpu_kernels.cpp `bf16_decode_layers`): the tokens `input_ids` (int64 [M]) looked
     up in `embedding` [vocab, hidden] (bf16), then every layer. The same kernels, order and rounding as the model's
@@ -201,11 +202,17 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
 
     Returns the model's final norm (weight `final_norm` [hidden], bf16) of the last layer's
     output rows `out_rows` (int64 [R]: the rows that sample), [R, hidden], as `add_rms_norm`
-    with no add computes it."""
+    with no add computes it; with `lm_head` [vocab, hidden] (bf16, no bias), their logits
+    instead: float32 [R, vocab], each the bf16 the head's GEMV rounds it to (as
+    `bf16_linear(hidden, lm_head).float()`)."""
     return load().bf16_decode_layers(input_ids, embedding, layer_tensors, kinds, kv_caches, windows, cos, sin,
                                      positions, slot_mapping, block_tables, seq_lens, query_start_loc, num_heads,
                                      num_kv_heads, scale, eps, _few_rows_per_item(num_heads, num_kv_heads), FEW_ROWS,
-                                     BLOCK_MIN_ROWS, final_norm, out_rows)
+                                     BLOCK_MIN_ROWS, final_norm, out_rows,
+                                     lm_head if lm_head is not None else _EMPTY_BF16)
+
+
+_EMPTY_BF16 = torch.empty(0, dtype=torch.bfloat16)  # no LM head: bf16_decode_layers returns the hidden rows
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -318,6 +318,13 @@ class FusedDecodeLayers:
             self.windows.append(int(attn.sliding_window or 0))
         self.embedding = model.model.embed_tokens.weight.data
         self.final_norm = model.model.norm.weight.data
+        # The LM head too (`logits`) where the model's `compute_logits` is a plain GEMV head:
+        # no bias, no soft-capping, not quantized (the INT4 model's INT8 head stays per-op).
+        head = model.lm_head
+        plain_head = (type(model).compute_logits is LlamaForCausalLM.compute_logits and type(head) is Linear
+                      and head.bias is None and head.gemv_max_rows >= max_rows
+                      and model.args.final_logit_softcapping is None)
+        self.lm_head: torch.Tensor | None = head.weight.data if plain_head else None
         self.rope = model.rope
 
     def _add_linear(self, linear: nn.Module) -> None:
@@ -370,15 +377,19 @@ class FusedDecodeLayers:
                 and kv_caches[0][0].dtype == torch.bfloat16)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                 logits: bool = False) -> torch.Tensor:
         """The final hidden states of the rows at `meta.logits_indices`: the embedding lookup,
         every layer, then the model's final norm of those rows (as
-        `LlamaForCausalLM.final_norm` computes it on this backend), in the one call."""
+        `LlamaForCausalLM.final_norm` computes it on this backend), in the one call. With
+        `logits` (only where `self.lm_head` is set) their float32 logits instead: the head's
+        bf16 outputs widened, as the sampler widens the per-op head's."""
         caches = [c for pair in kv_caches for c in pair]
         return cpu_kernels.bf16_decode_layers(
-            input_ids.contiguous(), self.embedding, self.tensors, self.kinds, caches, self.windows, *self.rope.tables(), positions, meta.slot_mapping,
-            meta.block_tables, meta.seq_lens, meta.query_start_loc, self.num_heads, self.num_kv_heads, self.scale,
-            self.eps, self.final_norm, meta.logits_indices,
+            input_ids.contiguous(), self.embedding, self.tensors, self.kinds, caches, self.windows,
+            *self.rope.tables(), positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, self.num_heads, self.num_kv_heads, self.scale, self.eps, self.final_norm,
+            meta.logits_indices, self.lm_head if logits else None,
         )
 
 
@@ -464,6 +475,25 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(x, positions, rope, kv_cache, meta, ops)
         # Only the positions that sample need the final norm and the (large) LM head.
         return self.final_norm(x[meta.logits_indices], ops)
+
+    @torch.inference_mode()
+    def decode_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        ops: KernelOps,
+    ) -> torch.Tensor | None:
+        """The float32 logits of the rows at `meta.logits_indices` in one C++ call (the fused
+        decode with the LM head: `FusedDecodeLayers`), or None where that call does not run
+        this step (the caller runs `forward` and `compute_logits`). Equal to
+        `compute_logits(forward(...)).float()`, which the sampler computes from the per-op
+        path, without the head's and the widening's eager calls."""
+        fused = self.fused_decode
+        if fused is None or fused.lm_head is None or not fused.runs(input_ids, kv_caches, ops):
+            return None
+        return fused(input_ids, positions, kv_caches, meta, logits=True)
 
     def final_norm(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """The final norm of the rows that sample. In bf16 on the C++ kernel backend through

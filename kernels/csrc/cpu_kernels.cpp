@@ -1505,14 +1505,18 @@ struct DecodeLinear {
 // attention arguments after them are paged_attention's (its bf16 routing: q_chunk,
 // few_rows, block_over), the metadata shared by every layer. Returns [R, hidden]: the
 // model's final norm (`final_norm`) of the last layer's output rows `out_rows` [R] (the
-// rows that sample). The lookup and the norm were the eager ops around the call, each
-// several times slower there than alone (the weight stream evicts their working set).
+// rows that sample); with a non-empty `lm_head` [vocab, hidden] (bf16, no bias) instead
+// their logits, float32 [R, vocab]: the head through the GEMV (each logit rounded to bf16
+// once, as the model's head computes it) and widened to float32, as the sampler widens
+// them. The lookup, the norm and the head were the eager ops around the call, each several
+// times slower there than alone (the weight stream evicts their working set).
 torch::Tensor bf16_decode_layers(torch::Tensor input_ids, torch::Tensor embedding, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> kinds,
                         std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows, torch::Tensor cos,
                         torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                         int64_t num_heads, int64_t num_kv_heads, double scale, double eps, int64_t q_chunk,
-                        int64_t few_rows, int64_t block_over, torch::Tensor final_norm, torch::Tensor out_rows) {
+                        int64_t few_rows, int64_t block_over, torch::Tensor final_norm, torch::Tensor out_rows,
+                        torch::Tensor lm_head) {
   constexpr size_t kPerLayer = 14;
   const size_t L = windows.size();
   TORCH_CHECK(layer_tensors.size() == kPerLayer * L && kinds.size() == 4 * L && kv_caches.size() == 2 * L,
@@ -1541,6 +1545,10 @@ torch::Tensor bf16_decode_layers(torch::Tensor input_ids, torch::Tensor embeddin
   for (int64_t r = 0; r < R; ++r) {
     TORCH_CHECK(out_row[r] >= 0 && out_row[r] < M, "bf16_decode_layers: out_rows index ", out_row[r], " not in [0, ", M, ")");
   }
+  const bool logits = lm_head.numel() > 0;
+  TORCH_CHECK(!logits || (kHaveBf16Gemv && lm_head.dim() == 2 && lm_head.scalar_type() == at::kBFloat16 &&
+                          lm_head.is_contiguous() && lm_head.size(1) == hidden),
+              "bf16_decode_layers: an LM head is a contiguous bfloat16 [vocab, hidden] (and needs the GEMV)");
   auto linear_of = [&](size_t l, int i) {
     const torch::Tensor* t = &layer_tensors[kPerLayer * l + (i < 2 ? 1 + 3 * i : 8 + 3 * (i - 2))];
     const int64_t kind = kinds[4 * l + i];
@@ -1571,7 +1579,7 @@ torch::Tensor bf16_decode_layers(torch::Tensor input_ids, torch::Tensor embeddin
   }
   const auto opts = embedding.options();
   torch::Tensor out = torch::empty({R, hidden}, opts);
-  if (M == 0) return out;
+  if (M == 0) return logits ? torch::empty({R, lm_head.size(0)}, opts.dtype(at::kFloat)) : out;
   torch::Tensor x = torch::empty({M, hidden}, opts);  // the residual stream: the embeddings first
   for (int64_t m = 0; m < M; ++m) {
     std::memcpy(x.data_ptr<c10::BFloat16>() + m * hidden, embedding.data_ptr<c10::BFloat16>() + ids[m] * hidden,
@@ -1621,7 +1629,20 @@ torch::Tensor bf16_decode_layers(torch::Tensor input_ids, torch::Tensor embeddin
     rms_norm_row<c10::BFloat16>(out.data_ptr<c10::BFloat16>() + r * hidden, row.data(),
                                 final_norm.data_ptr<c10::BFloat16>(), hidden, static_cast<float>(eps), wf.data());
   }
-  return out;
+  if (!logits) return out;
+  const int64_t V = lm_head.size(0);
+  torch::Tensor result = torch::empty({R, V}, opts.dtype(at::kFloat));
+#if defined(__AVX512BF16__)
+  std::vector<uint16_t> head(R * V);
+  bf16_gemv_impl(reinterpret_cast<const uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(lm_head.data_ptr()),
+                 nullptr, head.data(), R, hidden, V);
+  float* lp = result.data_ptr<float>();
+  for (int64_t i = 0; i < R * V; ++i) {  // bf16 -> float32: exact
+    const uint32_t bits = static_cast<uint32_t>(head[i]) << 16;
+    std::memcpy(lp + i, &bits, sizeof(float));
+  }
+#endif
+  return result;
 }
 
 // The index of each row's largest value, as torch.argmax(dim=-1) gives it: the first

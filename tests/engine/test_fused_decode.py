@@ -162,3 +162,34 @@ def test_a_token_outside_the_vocabulary_is_an_error_not_a_read_past_the_table():
         forward(model, fused, input_ids, positions, caches, meta)
     with pytest.raises(IndexError):
         forward(model, None, input_ids, positions, caches, meta)
+
+
+@pytest.mark.parametrize("batch", ["one decode", "a verification chunk and decodes"])
+def test_decode_logits_equal_the_per_op_head_widened(batch):
+    """With the LM head in the call (`LlamaForCausalLM.decode_logits`, what the Worker runs
+    for a decode step): float32 logits equal to the per-op forward's head output widened
+    to float32, as the sampler widens it; every sampling row, bit for bit."""
+    model = make_model("llama")
+    model.fused_decode = fused = FusedDecodeLayers.build(model)
+    assert fused.lm_head is not None
+    ops = get_ops("cpu", torch.device("cpu"))
+    input_ids, positions, caches, meta = make_step(model, BATCHES[batch])
+    expected_hidden, _ = forward(model, None, input_ids, positions, caches, meta)
+    expected = model.compute_logits(expected_hidden).float()
+    model.fused_decode = fused
+    got = model.decode_logits(input_ids, positions, [(k.clone(), v.clone()) for k, v in caches], meta, ops)
+    assert got.dtype == torch.float32 and got.shape == (meta.logits_indices.shape[0], model.args.vocab_size)
+    assert torch.equal(got, expected)
+    # Where the call does not run the step, the caller runs the per-op forward and head.
+    assert model.decode_logits(input_ids, positions, caches, meta, get_ops("torch", torch.device("cpu"))) is None
+
+
+def test_a_quantized_head_stays_out_of_the_call():
+    """The INT4 model's INT8 LM head (`--quantization int4`) is not the GEMV head: the call
+    returns hidden states and the model's own head computes the logits."""
+    model = make_model("llama", quantization="int4")
+    fused = FusedDecodeLayers.build(model)
+    assert fused is not None and fused.lm_head is None
+    model.fused_decode = fused
+    input_ids, positions, caches, meta = make_step(model, BATCHES["one decode"])
+    assert model.decode_logits(input_ids, positions, caches, meta, get_ops("cpu", torch.device("cpu"))) is None
