@@ -1697,14 +1697,21 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention);
-  m.def("reshape_and_cache", &reshape_and_cache);
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("rotary", &rotary);
+  // Every kernel runs without the GIL, as torch's own ops do: a server's event loop (the
+  // HTTP streams) runs on another thread while the engine thread is in here. The fused
+  // decode call is most of a decode step (~10 ms at batch 1); holding the GIL through it
+  // left the event loop only the gaps between steps, and the one-stream HTTP ITL rose from
+  // 0.9x to 1.2-1.3x the offline step (`python -m loadtest.bench_http --concurrency 1`).
+  // The arguments are converted before the release and the result after the re-acquire.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_attention", &paged_attention, release());
+  m.def("reshape_and_cache", &reshape_and_cache, release());
+  m.def("add_rms_norm", &add_rms_norm, release());
+  m.def("rotary", &rotary, release());
   m.def("has_bf16_gemv", &has_bf16_gemv);
-  m.def("bf16_gemv", &bf16_gemv);
-  m.def("int8_gemv", &int8_gemv);
-  m.def("bf16_silu_mlp", &bf16_silu_mlp);
-  m.def("bf16_decode_layers", &bf16_decode_layers);
-  m.def("argmax_rows", &argmax_rows);
+  m.def("bf16_gemv", &bf16_gemv, release());
+  m.def("int8_gemv", &int8_gemv, release());
+  m.def("bf16_silu_mlp", &bf16_silu_mlp, release());
+  m.def("bf16_decode_layers", &bf16_decode_layers, release());
+  m.def("argmax_rows", &argmax_rows, release());
 }
