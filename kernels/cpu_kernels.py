@@ -179,18 +179,18 @@ def bf16_silu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: to
                     down_weight.shape[0])
 
 
-def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_tensors: list[torch.Tensor], kinds: list[int],
-                       kv_caches: list[torch.Tensor], windows: list[int], cos: torch.Tensor, sin: torch.Tensor,
+def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_tensors: list[torch.Tensor],
+                       kinds: list[int], kv_caches: list[torch.Tensor], windows: list[int], cos: torch.Tensor, sin: torch.Tensor,
                        positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
                        scale: float, eps: float, final_norm: torch.Tensor, out_rows: torch.Tensor,
                        lm_head: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's Llama-style decoder layers for a few bf16 rows in one call
     (csrc/cpu_kernels.cpp `bf16_decode_layers`): the tokens `input_ids` (int64 [M]) looked
-    up in `embedding` [vocab, hidden] (bf16), then every layer. The same kernels, order and rounding as the model's
-    per-op forward (`add_rms_norm`, the linears' kernels, `rotary`, `reshape_and_cache`,
-    `paged_attention` on its bf16 route, the MLP's SiLU), so the result is bit-identical
-    to it, without ~10 Python calls per layer.
+    up in `embedding` [vocab, hidden] (bf16), then every layer. The same kernels, order and
+    rounding as the model's per-op forward (`add_rms_norm`, the linears' kernels, `rotary`,
+    `reshape_and_cache`, `paged_attention` on its bf16 route, the MLP's SiLU), so the result
+    is bit-identical to it, without ~10 Python calls per layer.
 
     `layer_tensors`: 14 per layer: input norm; qkv and o as (weight, bias, scales);
     post-attention norm; gate_up and down as (weight, bias, scales), an empty tensor for

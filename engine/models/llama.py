@@ -280,9 +280,10 @@ class DecoderLayer(nn.Module):
 
 class FusedDecodeLayers:
     """A decode step's embedding lookup, every decoder layer and the final norm of its
-    sampling rows in one C++ call (kernels/cpu_kernels.py `bf16_decode_layers`), for the few bf16 rows the decode
-    linears' small-batch kernels take: the bf16 GEMV on dense weights, torch's int4 and int8
-    CPU kernels on quantized ones.
+    sampling rows (and a plain LM head's logits: `LlamaForCausalLM.decode_logits`) in one
+    C++ call (kernels/cpu_kernels.py `bf16_decode_layers`), for the few bf16 rows the
+    decode linears' small-batch kernels take: the bf16 GEMV on dense weights, torch's int4
+    and int8 CPU kernels on quantized ones.
 
     At batch 1 the bundled model's bf16 step streams ~270 MB of weights, ~8 ms at this
     project's VM's bandwidth, and the per-op forward adds ~10 Python calls per layer (each

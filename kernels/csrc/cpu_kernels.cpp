@@ -1579,12 +1579,8 @@ torch::Tensor bf16_decode_layers(torch::Tensor input_ids, torch::Tensor embeddin
   }
   const auto opts = embedding.options();
   torch::Tensor out = torch::empty({R, hidden}, opts);
-  if (M == 0) return logits ? torch::empty({R, lm_head.size(0)}, opts.dtype(at::kFloat)) : out;
-  torch::Tensor x = torch::empty({M, hidden}, opts);  // the residual stream: the embeddings first
-  for (int64_t m = 0; m < M; ++m) {
-    std::memcpy(x.data_ptr<c10::BFloat16>() + m * hidden, embedding.data_ptr<c10::BFloat16>() + ids[m] * hidden,
-                hidden * sizeof(c10::BFloat16));
-  }
+  if (M == 0) return logits ? torch::empty({0, lm_head.size(0)}, opts.dtype(at::kFloat)) : out;
+  torch::Tensor x = embedding.index_select(0, input_ids);  // the residual stream: the embeddings first
   auto bt = block_tables.contiguous();
   torch::Tensor h = torch::empty({M, hidden}, opts);
   torch::Tensor mlp_out;  // the previous layer's MLP output: added to x by the next norm
@@ -1619,30 +1615,15 @@ torch::Tensor bf16_decode_layers(torch::Tensor input_ids, torch::Tensor embeddin
     }
   }
   // The last layer's `x + mlp(h)`, then the final norm of the rows that sample: the
-  // model's `norm(x[rows])` as add_rms_norm computes it with no add (the per-op forward's
-  // kernel on this backend), row by row.
+  // model's `norm(x[rows])` through add_rms_norm with no add, the per-op forward's kernel
+  // on this backend (LlamaForCausalLM.final_norm).
   if (mlp_out.defined()) x.add_(mlp_out);
-  std::vector<float> row(hidden), wf(hidden);
-  const auto* xb = x.data_ptr<c10::BFloat16>();
-  for (int64_t r = 0; r < R; ++r) {
-    load_row(row.data(), xb + out_row[r] * hidden, hidden);
-    rms_norm_row<c10::BFloat16>(out.data_ptr<c10::BFloat16>() + r * hidden, row.data(),
-                                final_norm.data_ptr<c10::BFloat16>(), hidden, static_cast<float>(eps), wf.data());
-  }
+  torch::Tensor rows = x.index_select(0, out_rows);
+  add_rms_norm_impl<c10::BFloat16>(out, rows, rows, nullptr, final_norm, eps);
   if (!logits) return out;
-  const int64_t V = lm_head.size(0);
-  torch::Tensor result = torch::empty({R, V}, opts.dtype(at::kFloat));
-#if defined(__AVX512BF16__)
-  std::vector<uint16_t> head(R * V);
-  bf16_gemv_impl(reinterpret_cast<const uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(lm_head.data_ptr()),
-                 nullptr, head.data(), R, hidden, V);
-  float* lp = result.data_ptr<float>();
-  for (int64_t i = 0; i < R * V; ++i) {  // bf16 -> float32: exact
-    const uint32_t bits = static_cast<uint32_t>(head[i]) << 16;
-    std::memcpy(lp + i, &bits, sizeof(float));
-  }
-#endif
-  return result;
+  // The head as the model's GEMV `Linear` computes it (bf16 out), widened as the sampler widens it.
+  const torch::Tensor none = torch::empty({0}, opts);
+  return DecodeLinear{&lm_head, &none, &none, 0}(out).to(at::kFloat);
 }
 
 // The index of each row's largest value, as torch.argmax(dim=-1) gives it: the first
