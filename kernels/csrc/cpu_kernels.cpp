@@ -799,7 +799,7 @@ bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, con
 #endif
 
 template <typename T>
-void paged_attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+void paged_attention_impl(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                           const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                           const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
                           int64_t window, int64_t q_chunk, int64_t skip_over, int64_t few_rows,
@@ -919,8 +919,8 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& query, const 
 // (at most kFewRows; 0: none) take attend_rows_bf16; the rest attend_item. A step of only
 // few-row items, fewer than twice the threads (a batch-1 decode), splits each item's keys
 // across the threads and merges the parts (attention_parts).
-void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
+void paged_attention(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
                      int64_t sliding_window, int64_t q_chunk, int64_t skip_over, int64_t few_rows,
                      int64_t block_over) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous(),
@@ -944,8 +944,8 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
 
 // key/value [T, Hkv, D] (rows may be strided views of the fused QKV output) into their
 // cache slots; a negative slot is skipped (padding).
-void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-                       torch::Tensor slot_mapping) {
+void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                       const torch::Tensor& slot_mapping) {
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "reshape_and_cache: dtype mismatch");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key.stride(1) == key.size(2) &&
                   value.stride(1) == value.size(2),
@@ -985,7 +985,7 @@ inline void rms_norm_row(T* __restrict dst, const float* __restrict x, const T* 
 }
 
 template <typename T>
-void add_rms_norm_impl(torch::Tensor& out, torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor* add,
+void add_rms_norm_impl(const torch::Tensor& out, const torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor* add,
                        const torch::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), n = x.size(1);
   const T* xp = x.data_ptr<T>();
@@ -1015,8 +1015,8 @@ void add_rms_norm_impl(torch::Tensor& out, torch::Tensor& residual, const torch:
 
 // out = RMSNorm(x + add) * weight, and residual = x + add (residual may alias x). With no
 // `add`, out = RMSNorm(x) * weight and residual is untouched.
-void add_rms_norm(torch::Tensor out, torch::Tensor residual, torch::Tensor x, c10::optional<torch::Tensor> add,
-                  torch::Tensor weight, double eps) {
+void add_rms_norm(const torch::Tensor& out, const torch::Tensor& residual, const torch::Tensor& x, const c10::optional<torch::Tensor>& add,
+                  const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
               "add_rms_norm: contiguous tensors expected");
   const torch::Tensor* a = add.has_value() ? &add.value() : nullptr;
@@ -1033,7 +1033,7 @@ void add_rms_norm(torch::Tensor out, torch::Tensor residual, torch::Tensor x, c1
 namespace {
 
 template <typename T>
-void rotary_impl(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions) {
+void rotary_impl(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions) {
   const int64_t T_ = qk.size(0), heads = qk.size(1), D = qk.size(2), half = D / 2;
   const int64_t token_stride = qk.stride(0);
   T* p = qk.data_ptr<T>();
@@ -1062,7 +1062,7 @@ void rotary_impl(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tenso
 // Rotate qk [T, heads, D] in place (rotate-half RoPE) by float32 tables cos/sin
 // [max_positions, D/2] at `positions` [T] int64. qk may be a strided view whose heads are
 // contiguous (the q and k columns of the fused QKV output).
-void rotary(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+void rotary(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions) {
   TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "rotary: each token's heads must be contiguous");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous(),
@@ -1329,7 +1329,7 @@ constexpr bool kHaveBf16Gemv = false;
 bool has_bf16_gemv() { return kHaveBf16Gemv; }
 
 // out [M, N] = x [M, K] @ weight [N, K]^T + bias [N], all bfloat16 and contiguous.
-void bf16_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+void bf16_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(kHaveBf16Gemv, "bf16_gemv: this build has no AVX512-BF16 (the CPU lacks it)");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "bf16_gemv: 2-D x, weight and out expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
@@ -1353,7 +1353,7 @@ void bf16_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor weight, c10::op
 
 // out [M, N] = (x [M, K] @ weight [N, K]^T) * scales [N]: x, scales, out bfloat16, weight
 // int8, all contiguous (see int8_gemv_impl).
-void int8_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor weight, torch::Tensor scales) {
+void int8_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales) {
   TORCH_CHECK(kHaveBf16Gemv, "int8_gemv: this build has no AVX512-BF16 (the CPU lacks it)");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "int8_gemv: 2-D x, weight and out expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kChar &&
@@ -1405,7 +1405,7 @@ void silu_mul_rows(const uint16_t* gate_up, uint16_t* h, int64_t M, int64_t I) {
 // ops round. Both linears run the GEMV above; one call instead of two GEMV calls and
 // three eager ops (split, silu, mul) saves their Python and dispatch at decode, where a
 // layer's ops each cost more in overhead than in arithmetic.
-void bf16_silu_mlp(torch::Tensor out, torch::Tensor x, torch::Tensor gate_up_weight, torch::Tensor down_weight) {
+void bf16_silu_mlp(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate_up_weight, const torch::Tensor& down_weight) {
   TORCH_CHECK(kHaveBf16Gemv, "bf16_silu_mlp: this build has no AVX512-BF16 (the CPU lacks it)");
   for (const torch::Tensor* t : {&out, &x, &gate_up_weight, &down_weight}) {
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
@@ -1510,13 +1510,13 @@ struct DecodeLinear {
 // once, as the model's head computes it) and widened to float32, as the sampler widens
 // them. The lookup, the norm and the head were the eager ops around the call, each several
 // times slower there than alone (the weight stream evicts their working set).
-torch::Tensor bf16_decode_layers(torch::Tensor input_ids, torch::Tensor embedding, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> kinds,
-                        std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows, torch::Tensor cos,
-                        torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_mapping,
-                        torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Tensor& embedding, const std::vector<torch::Tensor>& layer_tensors, const std::vector<int64_t>& kinds,
+                        const std::vector<torch::Tensor>& kv_caches, const std::vector<int64_t>& windows, const torch::Tensor& cos,
+                        const torch::Tensor& sin, const torch::Tensor& positions, const torch::Tensor& slot_mapping,
+                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
                         int64_t num_heads, int64_t num_kv_heads, double scale, double eps, int64_t q_chunk,
-                        int64_t few_rows, int64_t block_over, torch::Tensor final_norm, torch::Tensor out_rows,
-                        torch::Tensor lm_head) {
+                        int64_t few_rows, int64_t block_over, const torch::Tensor& final_norm, const torch::Tensor& out_rows,
+                        const torch::Tensor& lm_head) {
   constexpr size_t kPerLayer = 14;
   const size_t L = windows.size();
   TORCH_CHECK(layer_tensors.size() == kPerLayer * L && kinds.size() == 4 * L && kv_caches.size() == 2 * L,
@@ -1631,7 +1631,7 @@ torch::Tensor bf16_decode_layers(torch::Tensor input_ids, torch::Tensor embeddin
 // torch's CPU argmax runs a scalar loop at ~1 ns an element, ~45 us for a 49,152-token
 // vocabulary: a greedy decode step's sampling. Here two vector passes over the row (its
 // maximum, then the first lane equal to it) take a few microseconds.
-torch::Tensor argmax_rows(torch::Tensor logits) {
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.size(1) > 0,
               "argmax_rows: a contiguous float32 [rows, n > 0] expected");
   const int64_t rows = logits.size(0), n = logits.size(1);
@@ -1684,6 +1684,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // left the event loop only the gaps between steps, and the one-stream HTTP ITL rose from
   // 0.9x to 1.2-1.3x the offline step (`python -m loadtest.bench_http --concurrency 1`).
   // The arguments are converted before the release and the result after the re-acquire.
+  // Every tensor argument is a const reference, never a by-value at::Tensor: torch keeps
+  // a Python tensor's object alive while C++ holds a second reference, and dropping that
+  // reference (a by-value argument destroyed as the function returns, still without the
+  // GIL) takes the GIL back, once per tensor: ~280 times at the end of each fused decode
+  // call, each waiting on the event loop. By reference, pybind11's casters drop them after
+  // the re-acquire.
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_attention", &paged_attention, release());
   m.def("reshape_and_cache", &reshape_and_cache, release());
