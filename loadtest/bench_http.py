@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -34,12 +33,17 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.bench_offline import decode_step, make_prompts, pagoda_run
+from loadtest.bench_offline import batch1_step_s, make_prompts, pagoda_run
 from loadtest.client import RequestParams, send_request
 from loadtest.datasets import BenchRequest
+from loadtest.machine import thread_seconds
 from loadtest.runner import LoadSpec, run_load
 from loadtest.servers import LaunchedServer, pagoda_spec
 from loadtest.summary import summarize
+
+
+# Greedy streamed requests of exactly max_tokens tokens (this server honours ignore_eos).
+GREEDY_FIXED_LENGTH = RequestParams(model=None, temperature=0.0, fixed_length_fields=lambda n: {"ignore_eos": True})
 
 
 def offline_tok_s(prompts: list[str], max_tokens: int, dtype: str) -> float:
@@ -57,8 +61,7 @@ def offline_tok_s(prompts: list[str], max_tokens: int, dtype: str) -> float:
 def http_run(url: str, prompts: list[str], max_tokens: int) -> dict:
     """All prompts at once as streamed /v1/completions (the loadtest client), after a warm-up."""
     requests = [BenchRequest(max_tokens, prompt=p) for p in prompts]
-    params = RequestParams(model=None, temperature=0.0, fixed_length_fields=lambda n: {"ignore_eos": True})
-    outcome = asyncio.run(run_load(url, requests, requests[:4], params, LoadSpec(concurrency=len(requests))))
+    outcome = asyncio.run(run_load(url, requests, requests[:4], GREEDY_FIXED_LENGTH, LoadSpec(concurrency=len(requests))))
     s = summarize(outcome.results, outcome.wall_s)
     if s["failed"]:
         raise RuntimeError(f"{s['failed']} requests failed: {s['first_errors']}")
@@ -70,41 +73,22 @@ def http_run(url: str, prompts: list[str], max_tokens: int) -> dict:
     }
 
 
-def thread_cpu_s(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of process `pid` (Linux /proc; {} elsewhere)."""
-    out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the thread ended
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
-
-
 def one_stream_rounds(url: str, server_pid: int, llm, max_tokens: int, rounds: int) -> list[dict]:
     """Alternate the offline batch-1 decode step and one streamed HTTP request, `rounds` times.
 
     Each round: a fresh prompt for each side (no prefix-cache hits), the offline side's step
     from engine stats, the HTTP side's median inter-token gap, and the CPU seconds per
     token the server's main (event-loop) thread and this thread (the client's event loop)
-    spent during the HTTP request. Even rounds run offline first, odd rounds HTTP first.
+    spent during the HTTP request (the server's from /proc, in clock ticks of ~10 ms: a
+    coarse figure for a short request). Even rounds run offline first, odd rounds HTTP first.
     """
-    params = RequestParams(model=None, temperature=0.0, fixed_length_fields=lambda n: {"ignore_eos": True})
     tags = iter(range(100, 10**6))
     out = []
     for r in range(rounds):
         row: dict = {}
 
         def offline() -> None:
-            full = pagoda_run(llm, make_prompts(1, next(tags)), max_tokens)
-            prefill = pagoda_run(llm, make_prompts(1, next(tags)), 1)
-            row["step_s"] = decode_step(full, prefill).step_s
+            row["step_s"] = batch1_step_s(llm, max_tokens, tags)
 
         def http() -> None:
             # One request on its own client: no warm-up and no /metrics scrapes (run_load's
@@ -114,18 +98,18 @@ def one_stream_rounds(url: str, server_pid: int, llm, max_tokens: int, rounds: i
 
             async def one() -> tuple:
                 async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-                    server_before, client_before = thread_cpu_s(server_pid), time.thread_time()
-                    result = await send_request(client, request, params, time.perf_counter())
-                    return result, thread_cpu_s(server_pid), server_before, time.thread_time() - client_before
+                    before, client_before = thread_seconds(server_pid, server_pid), time.thread_time()
+                    result = await send_request(client, request, GREEDY_FIXED_LENGTH, time.perf_counter())
+                    after = thread_seconds(server_pid, server_pid)  # the server's main thread: its event loop
+                    loop_cpu = None if before is None or after is None else after - before
+                    return result, loop_cpu, time.thread_time() - client_before
 
-            result, server_after, server_before, client_cpu = asyncio.run(one())
+            result, loop_cpu, client_cpu = asyncio.run(one())
             if not result.ok or not result.itl_s:
                 raise RuntimeError(f"the HTTP request failed: {result.error_kind}: {result.error}")
             row["itl_s"] = statistics.median(result.itl_s)
-            tokens = result.output_tokens
-            main = server_after.get(server_pid, 0.0) - server_before.get(server_pid, 0.0)
-            row["server_loop_cpu_s"] = main / tokens if server_after else None
-            row["client_cpu_s"] = client_cpu / tokens
+            row["server_loop_cpu_s"] = loop_cpu / result.output_tokens if loop_cpu is not None else None
+            row["client_cpu_s"] = client_cpu / result.output_tokens
 
         for side in ((offline, http) if r % 2 == 0 else (http, offline)):
             side()

@@ -317,6 +317,13 @@ def decode_step(full: RunTiming, prefill: RunTiming) -> DecodeStep:
     return DecodeStep(full.batch, (full.wall_s - prefill.wall_s) / (full.max_tokens - 1), None, "wall time")
 
 
+def batch1_step_s(llm, max_tokens: int, tags) -> float:
+    """One batch-1 decode step's seconds: a `max_tokens` run and a prefill-only run of fresh
+    prompts (a new label from `tags` each, so no prefix-cache hits), `decode_step` of the two."""
+    full = pagoda_run(llm, make_prompts(1, next(tags)), max_tokens)
+    return decode_step(full, pagoda_run(llm, make_prompts(1, next(tags)), 1)).step_s
+
+
 def bench_pagoda(args) -> dict:
     from engine import LLM
 
@@ -348,8 +355,7 @@ def bench_pagoda(args) -> dict:
         row = {}
 
         def step() -> None:
-            full = pagoda_run(llm, make_prompts(1, next(tags)), args.max_tokens)
-            row["step_s"] = decode_step(full, pagoda_run(llm, make_prompts(1, next(tags)), 1)).step_s
+            row["step_s"] = batch1_step_s(llm, args.max_tokens, tags)
 
         def read() -> None:
             row["read_bandwidth_gbs"] = measure_read_bandwidth_gbs()

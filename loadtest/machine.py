@@ -22,15 +22,25 @@ def _busy_seconds() -> float | None:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-def _process_seconds(pid: int) -> float | None:
-    """user + system seconds of ``pid`` (all its threads) and of its reaped children."""
+def _stat_seconds(path: str, fields: int) -> float | None:
+    """The sum of the first `fields` CPU-time fields (utime, stime, cutime, cstime) of a
+    /proc `stat` file, in seconds; None if it cannot be read."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             after_name = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    utime, stime, cutime, cstime = (int(x) for x in after_name[11:15])
-    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
+    return sum(int(x) for x in after_name[11 : 11 + fields]) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_seconds(pid: int) -> float | None:
+    """user + system seconds of ``pid`` (all its threads) and of its reaped children."""
+    return _stat_seconds(f"/proc/{pid}/stat", 4)
+
+
+def thread_seconds(pid: int, tid: int) -> float | None:
+    """user + system seconds of thread `tid` of process `pid` (its main thread: tid = pid)."""
+    return _stat_seconds(f"/proc/{pid}/task/{tid}/stat", 2)
 
 
 class OtherCpu:

@@ -919,8 +919,9 @@ void paged_attention_impl(const torch::Tensor& out, const torch::Tensor& query, 
 // (at most kFewRows; 0: none) take attend_rows_bf16; the rest attend_item. A step of only
 // few-row items, fewer than twice the threads (a batch-1 decode), splits each item's keys
 // across the threads and merges the parts (attention_parts).
-void paged_attention(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
+void paged_attention(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                     const torch::Tensor& value_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                     const torch::Tensor& query_start_loc, double scale,
                      int64_t sliding_window, int64_t q_chunk, int64_t skip_over, int64_t few_rows,
                      int64_t block_over) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous(),
@@ -944,8 +945,8 @@ void paged_attention(const torch::Tensor& out, const torch::Tensor& query, const
 
 // key/value [T, Hkv, D] (rows may be strided views of the fused QKV output) into their
 // cache slots; a negative slot is skipped (padding).
-void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                       const torch::Tensor& slot_mapping) {
+void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& key_cache,
+                       const torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "reshape_and_cache: dtype mismatch");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key.stride(1) == key.size(2) &&
                   value.stride(1) == value.size(2),
@@ -985,8 +986,8 @@ inline void rms_norm_row(T* __restrict dst, const float* __restrict x, const T* 
 }
 
 template <typename T>
-void add_rms_norm_impl(const torch::Tensor& out, const torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor* add,
-                       const torch::Tensor& weight, double eps) {
+void add_rms_norm_impl(const torch::Tensor& out, const torch::Tensor& residual, const torch::Tensor& x,
+                       const torch::Tensor* add, const torch::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), n = x.size(1);
   const T* xp = x.data_ptr<T>();
   T* rp = residual.data_ptr<T>();
@@ -1015,8 +1016,8 @@ void add_rms_norm_impl(const torch::Tensor& out, const torch::Tensor& residual, 
 
 // out = RMSNorm(x + add) * weight, and residual = x + add (residual may alias x). With no
 // `add`, out = RMSNorm(x) * weight and residual is untouched.
-void add_rms_norm(const torch::Tensor& out, const torch::Tensor& residual, const torch::Tensor& x, const c10::optional<torch::Tensor>& add,
-                  const torch::Tensor& weight, double eps) {
+void add_rms_norm(const torch::Tensor& out, const torch::Tensor& residual, const torch::Tensor& x,
+                  const c10::optional<torch::Tensor>& add, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
               "add_rms_norm: contiguous tensors expected");
   const torch::Tensor* a = add.has_value() ? &add.value() : nullptr;
@@ -1033,7 +1034,8 @@ void add_rms_norm(const torch::Tensor& out, const torch::Tensor& residual, const
 namespace {
 
 template <typename T>
-void rotary_impl(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions) {
+void rotary_impl(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin,
+                 const torch::Tensor& positions) {
   const int64_t T_ = qk.size(0), heads = qk.size(1), D = qk.size(2), half = D / 2;
   const int64_t token_stride = qk.stride(0);
   T* p = qk.data_ptr<T>();
@@ -1062,7 +1064,8 @@ void rotary_impl(const torch::Tensor& qk, const torch::Tensor& cos, const torch:
 // Rotate qk [T, heads, D] in place (rotate-half RoPE) by float32 tables cos/sin
 // [max_positions, D/2] at `positions` [T] int64. qk may be a strided view whose heads are
 // contiguous (the q and k columns of the fused QKV output).
-void rotary(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions) {
+void rotary(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin,
+            const torch::Tensor& positions) {
   TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "rotary: each token's heads must be contiguous");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous(),
@@ -1329,7 +1332,8 @@ constexpr bool kHaveBf16Gemv = false;
 bool has_bf16_gemv() { return kHaveBf16Gemv; }
 
 // out [M, N] = x [M, K] @ weight [N, K]^T + bias [N], all bfloat16 and contiguous.
-void bf16_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+void bf16_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+               const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(kHaveBf16Gemv, "bf16_gemv: this build has no AVX512-BF16 (the CPU lacks it)");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "bf16_gemv: 2-D x, weight and out expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
@@ -1353,7 +1357,8 @@ void bf16_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Te
 
 // out [M, N] = (x [M, K] @ weight [N, K]^T) * scales [N]: x, scales, out bfloat16, weight
 // int8, all contiguous (see int8_gemv_impl).
-void int8_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales) {
+void int8_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+               const torch::Tensor& scales) {
   TORCH_CHECK(kHaveBf16Gemv, "int8_gemv: this build has no AVX512-BF16 (the CPU lacks it)");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "int8_gemv: 2-D x, weight and out expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kChar &&
@@ -1405,7 +1410,8 @@ void silu_mul_rows(const uint16_t* gate_up, uint16_t* h, int64_t M, int64_t I) {
 // ops round. Both linears run the GEMV above; one call instead of two GEMV calls and
 // three eager ops (split, silu, mul) saves their Python and dispatch at decode, where a
 // layer's ops each cost more in overhead than in arithmetic.
-void bf16_silu_mlp(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate_up_weight, const torch::Tensor& down_weight) {
+void bf16_silu_mlp(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate_up_weight,
+                   const torch::Tensor& down_weight) {
   TORCH_CHECK(kHaveBf16Gemv, "bf16_silu_mlp: this build has no AVX512-BF16 (the CPU lacks it)");
   for (const torch::Tensor* t : {&out, &x, &gate_up_weight, &down_weight}) {
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
@@ -1498,9 +1504,10 @@ struct DecodeLinear {
 // kernels only.
 //
 // input_ids [M] (int64): the step's tokens, looked up in `embedding` [vocab, hidden] (the
-// model's `embed`: its rows as they are) into the residual stream x [M, hidden]. layer_tensors: per layer, in this order, input_norm [hidden]; qkv,
-// o: weight, bias, scales each (DecodeLinear); post_norm [hidden]; gate_up, down: weight,
-// bias, scales each: 14 per layer. kinds: each layer's four linears' DecodeLinear kinds.
+// model's `embed`: its rows as they are) into the residual stream x [M, hidden].
+// layer_tensors: per layer, in this order, input_norm [hidden]; qkv, o: weight, bias,
+// scales each (DecodeLinear); post_norm [hidden]; gate_up, down: weight, bias, scales
+// each: 14 per layer. kinds: each layer's four linears' DecodeLinear kinds.
 // kv_caches: key, value per layer. windows: each layer's sliding window (0: none). The
 // attention arguments after them are paged_attention's (its bf16 routing: q_chunk,
 // few_rows, block_over), the metadata shared by every layer. Returns [R, hidden]: the
@@ -1510,13 +1517,15 @@ struct DecodeLinear {
 // once, as the model's head computes it) and widened to float32, as the sampler widens
 // them. The lookup, the norm and the head were the eager ops around the call, each several
 // times slower there than alone (the weight stream evicts their working set).
-torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Tensor& embedding, const std::vector<torch::Tensor>& layer_tensors, const std::vector<int64_t>& kinds,
-                        const std::vector<torch::Tensor>& kv_caches, const std::vector<int64_t>& windows, const torch::Tensor& cos,
-                        const torch::Tensor& sin, const torch::Tensor& positions, const torch::Tensor& slot_mapping,
-                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-                        int64_t num_heads, int64_t num_kv_heads, double scale, double eps, int64_t q_chunk,
-                        int64_t few_rows, int64_t block_over, const torch::Tensor& final_norm, const torch::Tensor& out_rows,
-                        const torch::Tensor& lm_head) {
+torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Tensor& embedding,
+                                 const std::vector<torch::Tensor>& layer_tensors, const std::vector<int64_t>& kinds,
+                                 const std::vector<torch::Tensor>& kv_caches, const std::vector<int64_t>& windows,
+                                 const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
+                                 const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                                 const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                                 int64_t num_heads, int64_t num_kv_heads, double scale, double eps, int64_t q_chunk,
+                                 int64_t few_rows, int64_t block_over, const torch::Tensor& final_norm,
+                                 const torch::Tensor& out_rows, const torch::Tensor& lm_head) {
   constexpr size_t kPerLayer = 14;
   const size_t L = windows.size();
   TORCH_CHECK(layer_tensors.size() == kPerLayer * L && kinds.size() == 4 * L && kv_caches.size() == 2 * L,
