@@ -24,7 +24,8 @@ from typing import AsyncIterator, Callable
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, StepFailedError
 from engine.llm import child_params
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.stats import StepStats
 from engine.structured_output import GrammarError, StructuredOutputSpec
@@ -64,6 +65,8 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+    status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    """FINISHED_STOPPED: ended by the caller's own stop condition (`AsyncEngine.stop`)."""
 
 
 @dataclass(order=True, slots=True)
@@ -111,6 +114,8 @@ class AsyncEngine:
         # A fault reported from another thread (a tensor-parallel worker died) ends the loop, even an idle one.
         self.core.on_fatal_error = self._inbox.put
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._on_sample_end: dict[str, tuple[int, Callable[[int, CompletionOutput | None], None]]] = {}
+        """Child id -> (its sample index, generate's `on_sample_end`), until the engine ends it."""
         self._stop = threading.Event()
         self._closed = False
         self._timers: list[_Timer] = []  # the loop thread's deadlines, soonest first
@@ -208,6 +213,7 @@ class AsyncEngine:
         max_queue_time: float | None = None,
         tenant: str | None = None,
         priority: int = 0,
+        on_sample_end: Callable[[int, CompletionOutput | None], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step in which any of the n samples advanced.
 
@@ -221,6 +227,12 @@ class AsyncEngine:
 
         `tenant` and `priority` place it in the scheduler's waiting queue: lower priority
         first, then fair between tenants (engine/fair_queue.py).
+
+        `on_sample_end(index, output)` runs on the event loop once per sample when the engine
+        ends it: with its last output (finished, stopped or aborted), or None when it ended in
+        an error. It runs even after the iterator was left, so a caller counts what the
+        engine did rather than what it read: a sample that finished while its stream was
+        being closed ends as finished, not as aborted.
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
@@ -228,7 +240,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shutting down")
         self.validate(prompt_token_ids, params)
         self.check_capacity(params.n, len(prompt_token_ids))
-        children = [f"{request_id}-{j}" for j in range(params.n)]
+        # A beam search is one engine request whose output carries all n beams.
+        children = [f"{request_id}-{j}" for j in range(1 if params.use_beam_search else params.n)]
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         for child in children:
             if child in self._streams:
@@ -236,9 +249,11 @@ class AsyncEngine:
         queue_deadline = None if max_queue_time is None else time.monotonic() + max_queue_time
         for j, child in enumerate(children):
             self._streams[child] = stream
+            if on_sample_end is not None:
+                self._on_sample_end[child] = (j, on_sample_end)
             self.num_unfinished += 1
             fork_of = children[0] if j else None
-            params_j = child_params(params, j)
+            params_j = params if params.use_beam_search else child_params(params, j)
             self._inbox.put(_Add(child, list(prompt_token_ids), params_j, cache_salt, fork_of, deadline, queue_deadline,
                                  tenant, priority))
         pending = set(children)
@@ -260,12 +275,12 @@ class AsyncEngine:
                     batch.append(nxt)
                 merged = RequestOutput(request_id, None, list(prompt_token_ids))
                 for out in batch:
-                    completion = out.outputs[0]
-                    completion.index = children.index(out.request_id)
-                    merged.outputs.append(completion)
-                    if completion.index == 0:
-                        merged.prompt_logprobs = out.prompt_logprobs
-                        merged.num_cached_tokens = out.num_cached_tokens
+                    for completion in out.outputs:  # one per sample; a beam search's n, indexed 0..n-1
+                        completion.index += children.index(out.request_id)
+                        merged.outputs.append(completion)
+                        if completion.index == 0:
+                            merged.prompt_logprobs = out.prompt_logprobs
+                            merged.num_cached_tokens = out.num_cached_tokens
                     if out.finished:
                         pending.discard(out.request_id)
                         self._forget(out.request_id)
@@ -284,6 +299,12 @@ class AsyncEngine:
     def abort(self, request_id: str, n: int = 1) -> None:
         for j in range(n):
             self._inbox.put(_Abort(f"{request_id}-{j}"))
+
+    def stop(self, request_id: str, index: int) -> None:
+        """Finish sample `index` of `request_id` now as stopped (finish_reason "stop"): the
+        caller found a stop condition of its own (the server's duplicate tool-call guard).
+        Its stream gets a last output; a sample that already finished stays as it ended."""
+        self._inbox.put(_Abort(f"{request_id}-{index}", RequestStatus.FINISHED_STOPPED))
 
     # ---- the engine loop (background thread) ----------------------------------------------
     def _main(self, config: EngineConfig, on_step: Callable[[StepStats], None] | None) -> None:
@@ -325,7 +346,7 @@ class AsyncEngine:
                             self._deliver_error(item.request_id, e)
                         else:
                             self._add_timers(item)
-                    elif (aborted := core.abort_request(item.request_id)) is not None:
+                    elif (aborted := core.abort_request(item.request_id, item.status)) is not None:
                         # Its stream is gone when the client left; at shutdown it gets this last output.
                         self._loop.call_soon_threadsafe(self._deliver, [aborted])
                 self.last_step_time = time.monotonic()
@@ -377,6 +398,10 @@ class AsyncEngine:
     # ---- on the asyncio loop ----------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.finished and (ending := self._on_sample_end.pop(out.request_id, None)) is not None:
+                first, on_end = ending
+                for completion in out.outputs:  # one; a beam search's n, indexed from 0
+                    on_end(first + completion.index, completion)
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
@@ -385,6 +410,8 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(self._put_error, request_id, error)
 
     def _put_error(self, request_id: str, error: BaseException) -> None:
+        if (ending := self._on_sample_end.pop(request_id, None)) is not None:
+            ending[1](ending[0], None)
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.put_nowait(error)
@@ -392,6 +419,9 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         dead = EngineDeadError(f"the engine loop failed: {type(error).__name__}: {error}")
         dead.__cause__ = error
+        endings, self._on_sample_end = self._on_sample_end, {}
+        for index, on_end in endings.values():
+            on_end(index, None)
         unique = {id(stream): stream for stream in self._streams.values()}
         for stream in unique.values():
             stream.put_nowait(dead)

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from engine.beam_search import BeamSearch, unblock_beam_searches
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.default_model import resolve_model_path
@@ -192,9 +193,12 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else params.max_tokens
         # A request whose whole sequence cannot fit the cache even alone would wait forever.
         needed = self.block_manager.blocks_needed(num_prompt + max_tokens)
+        if params.use_beam_search:
+            needed *= params.n  # what its n beams hold at most: no sharing assumed
         if needed > self.num_blocks:
             raise ValueError(
-                f"the request needs {needed} KV blocks for {num_prompt + max_tokens} tokens but the cache "
+                f"the request needs {needed} KV blocks for {num_prompt + max_tokens} tokens"
+                f"{f' x {params.n} beams' if params.use_beam_search else ''} but the cache "
                 f"has only {self.num_blocks}; lower max_tokens or raise --kv-cache-memory"
             )
         return max_tokens
@@ -219,6 +223,11 @@ class EngineCore:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, max_tokens, cache_salt=cache_salt)
         request.tenant, request.priority = tenant, priority  # the scheduler's fair order (engine/fair_queue.py)
+        if params.use_beam_search:
+            # One request for the n beams: it stands for them, they run (engine/beam_search.py).
+            self.requests[request_id] = request
+            BeamSearch.start(self, request)
+            return
         if params.structured_output is not None:
             # Raises GrammarError (a ValueError) here if the compile already failed.
             request.grammar = self.structured_output.request_grammar(params.structured_output)
@@ -237,17 +246,26 @@ class EngineCore:
         if request.waiting_for_grammar:
             self._grammar_waiting.append(request)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> RequestOutput | None:
+        """End a request now; its last output, or None when it had already finished.
+        `status` FINISHED_STOPPED: the caller found a stop condition of its own, so the
+        request finishes as stopped ("stop") rather than aborted."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         stats = None
         if self.on_step is not None:
             stats = self._new_step_stats(None)
-        self._finish(request, RequestStatus.FINISHED_ABORTED, stats)
+        if request.beam_search is not None:
+            output = request.beam_search.abort(stats)
+        else:
+            self._finish(request, status, stats)
+            output = self._make_output(request)
         if stats is not None:
             self._report(stats)
-        return self._make_output(request)
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -269,6 +287,9 @@ class EngineCore:
         preemptions_before = self.scheduler.num_preemptions
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            # Beams parked for their siblings hold blocks: when nothing can run, beam searches
+            # must not wait on each other's (engine/beam_search.py).
+            unblock_beam_searches(self)
             if self._grammar_waiting:
                 # Only compiling requests are left: wait for a compile instead of spinning.
                 concurrent.futures.wait(
@@ -360,10 +381,14 @@ class EngineCore:
         the whole cache index is dropped (cached KV is an optimisation, never a source of
         truth); the failed requests' blocks go back to the free list.
         """
-        failed = [r.request_id for r in sched.scheduled if not r.is_finished]
+        failed = [r.request_id for r in sched.scheduled if not r.is_finished and r.beam_search is None]
         stats = self._new_step_stats(sched) if self.on_step is not None else None
         for request_id in failed:
             self._finish(self.requests[request_id], RequestStatus.FINISHED_ABORTED, stats)
+        for search in {r.beam_search for r in sched.scheduled if r.beam_search is not None}:
+            if search.main.request_id in self.requests:  # its beams fail with the step: so does it
+                search.abort(stats)
+                failed.append(search.request_id)
         self.block_manager.reset_prefix_cache()
         if stats is not None:
             self._report(stats)
@@ -401,6 +426,10 @@ class EngineCore:
             drafts = spec.get(request.request_id, ()) if spec else ()
             rows = range(row, row + 1 + len(drafts))
             row = rows.stop
+            if request.beam_search is not None:  # a beam: its logprobs go to its search, no token is appended
+                if (done := request.beam_search.on_logprobs(request, sampled.logprobs[rows.start], stats)) is not None:
+                    outputs.append(done)
+                continue
             if request.max_tokens == 0:
                 self._finish(request, RequestStatus.FINISHED_LENGTH, stats)
                 outputs.append(self._make_output(request))

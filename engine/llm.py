@@ -61,10 +61,11 @@ class LLM:
                 token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 results.append(RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, token_ids))
                 results[-1].outputs = [None] * params.n  # type: ignore[list-item]
-                for j in range(params.n):
+                for j in range(1 if params.use_beam_search else params.n):  # a beam search: one request, n outputs
                     child_id = f"{results[-1].request_id}-{j}"
                     core.add_request(
-                        child_id, token_ids, child_params(params, j), fork_of=f"{results[-1].request_id}-0" if j else None
+                        child_id, token_ids, params if params.use_beam_search else child_params(params, j),
+                        fork_of=f"{results[-1].request_id}-0" if j else None,
                     )
                     children[child_id] = (i, j)
             pending = len(children)
@@ -72,9 +73,12 @@ class LLM:
                 for out in core.step():
                     if out.finished:
                         i, j = children[out.request_id]
-                        completion = out.outputs[0]
-                        completion.index = j
-                        results[i].outputs[j] = completion
+                        if params_list[i].use_beam_search:
+                            results[i].outputs = out.outputs
+                        else:
+                            completion = out.outputs[0]
+                            completion.index = j
+                            results[i].outputs[j] = completion
                         if j == 0:
                             results[i].prompt_logprobs = out.prompt_logprobs
                             results[i].num_cached_tokens = out.num_cached_tokens

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.beam_search import BeamSearch
     from engine.detokenizer import IncrementalDetokenizer
     from engine.outputs import SampleLogprobs
     from engine.structured_output import RequestGrammar
@@ -77,6 +78,8 @@ class Request:
     tenants (engine/fair_queue.py). None: untagged (the Python API, a server without keys)."""
     priority: int = 0
     """Lower is scheduled first (vLLM's convention); strict between priorities."""
+    beam_search: "BeamSearch | None" = None
+    """The beam search this request is a beam of, or stands for (engine/beam_search.py)."""
 
     def __post_init__(self) -> None:
         if self.sampling_params.logprobs is not None:

@@ -43,6 +43,11 @@ class SamplingParams:
     structured_output: "StructuredOutputSpec | None" = None
     """Constrain the output to a JSON schema, regex, choice or grammar; ends with "stop"
     once the grammar is complete (max_tokens still cuts it, with "length")."""
+    use_beam_search: bool = False
+    """Return the n best sequences of a beam search of width n instead of n samples
+    (engine/beam_search.py); deterministic, so the sampling fields must keep their defaults."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam scores its log-probability / (its length ** length_penalty)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,9 +86,34 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._check_beam_search()
         if self.is_greedy:
             # Greedy ignores the filters; normalising them keeps the sampler's fast path simple.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_beam_search(self) -> None:
+        """Beam search ranks the model's own log-probabilities: a field that would change
+        them, or pick among them at random, cannot apply and is refused (by name)."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty applies only to beam search (use_beam_search)")
+            return
+        beam = "with use_beam_search"
+        if self.temperature not in (0.0, 1.0):
+            raise ValueError(f"temperature must be 0 or 1 {beam} (beams are ranked by the model's own log-probabilities), "
+                             f"got {self.temperature}")
+        for name, default in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, name) != default:
+                raise ValueError(f"{name} cannot be used {beam}")
+        if self.logit_bias:
+            raise ValueError(f"logit_bias cannot be used {beam}")
+        if self.stop:
+            raise ValueError(f"stop strings cannot be used {beam} (stop_token_ids can)")
+        if self.structured_output is not None:
+            raise ValueError(f"structured_output cannot be used {beam}")
+        if self.max_tokens == 0:
+            raise ValueError(f"max_tokens must be at least 1 {beam}")
 
     @property
     def is_greedy(self) -> bool:

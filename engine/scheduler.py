@@ -280,3 +280,18 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.block_manager.free(request.request_id)
+
+    def park(self, request: Request) -> None:
+        """Take a running request out of the batch but keep its blocks: a beam that computed
+        its step before its siblings (engine/beam_search.py forks its blocks, then frees them)."""
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED_STOPPED  # its own part is done; it is never scheduled again
+
+    def add_continuations(self, requests: list[Request], queued: bool = False) -> None:
+        """Requests that carry on admitted work (a beam search's next beams) wait at the
+        front of their line, as preempted requests do, not behind newcomers. `queued`:
+        they are waiting already, and move to the front."""
+        if queued:
+            for request in requests:
+                self.waiting.remove(request)
+        self.waiting.extendleft(reversed(requests))

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_bytes
 from engine.loader import load_hf_config, load_model
 from engine.memory import profile_kv_cache_budget, take_snapshot
-from engine.models.llama import FusedDecodeLayers, Linear, LlamaForCausalLM, ModelArgs, prepack_linears
+from engine.models.llama import ALL_ROWS, FusedDecodeLayers, Linear, LlamaForCausalLM, ModelArgs, prepack_linears
 from engine.prompt_logprobs import PromptLogprobRows, chunked_logits
 from kernels.linear import GEMV_MAX_ROWS, gemv_unavailable_reason
 from kernels.ops import KernelOps, get_ops
@@ -64,10 +64,13 @@ class Worker:
         # note the device's memory before anything is loaded.
         snapshot = take_snapshot(self.device) if self._profiles_memory else None
         self.model, self.layout = self._load()
-        self.num_packed_linears, self.num_shared_linears = prepack_linears(self.model)  # on CPU, oneDNN's weight layout: the fast GEMM/GEMV
+        invariant = config.kernel.batch_invariant
+        # On CPU: oneDNN's weight layout (the fast GEMM/GEMV), or in batch-invariant mode the
+        # dense bf16 weights the C++ kernels read at every row count.
+        self.num_packed_linears, self.num_shared_linears = prepack_linears(self.model, invariant)
         if self.device.type == "cpu" and self.layout is None and isinstance(self.model, LlamaForCausalLM):  # one process's whole model, bf16 GEMV linears
-            self.model.fused_decode = FusedDecodeLayers.build(self.model)
-        self.ops: KernelOps = get_ops(config.kernel.kernel_backend, self.device)
+            self.model.fused_decode = FusedDecodeLayers.build(self.model, invariant)
+        self.ops: KernelOps = get_ops(config.kernel.kernel_backend, self.device, invariant)
         spec = KVCacheSpec.from_model(self.args, self.dtype, config.cache.block_size)
         self.kv_spec = self.layout.kv_cache_spec(spec) if self.layout is not None else spec  # this rank's KV heads
         self.num_blocks = self._num_kv_blocks(snapshot, log)
@@ -162,6 +165,7 @@ class Worker:
         a, spec, cc = self.args, self.kv_spec, self.config.cache
         facts = {
             "model": self.model_path.name,
+            "batch_invariant": self._batch_invariant_fact(),
             "architecture": _architecture(self.model_path),
             "layers": str(a.num_hidden_layers),
             "dtype": self._dtype_fact(),
@@ -181,7 +185,12 @@ class Worker:
             shared = (f"; each weight held once, but the LM head tied to the embeddings (packed, and the dense "
                       f"table for the lookup)") if self.num_shared_linears else "; each weight held once"
             gemv = self._num_gemv_linears()
-            if gemv:  # both copies: the dense one for the decode GEMV (kernels/linear.py)
+            every = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.gemv_max_rows >= ALL_ROWS)
+            if every:  # batch-invariant mode: the C++ kernel at every row count, dense weights only
+                shared = (f"; {every} bf16 linears unpacked, each through the C++ kernels at every row count (GEMV up "
+                          f"to {GEMV_MAX_ROWS} rows, register-blocked GEMM above: one arithmetic, batch-invariant), "
+                          "each weight held once")
+            elif gemv:  # both copies: the dense one for the decode GEMV (kernels/linear.py)
                 tied = ", a tied LM head's being the embedding table" if self.num_shared_linears else ""
                 shared = (f"; {gemv} bf16 linears also keep their dense weight for the AVX512-BF16 GEMV of calls "
                           f"up to {GEMV_MAX_ROWS} rows{tied} (PAGODA_CPU_GEMV=0: one copy)")
@@ -195,6 +204,15 @@ class Worker:
                      "int4 or int8 linears on an AVX512-BF16 CPU, in one process)"
             )
         return facts
+
+    def _batch_invariant_fact(self) -> str:
+        """Whether a request's tokens are independent of the rest of the step (the start-up log says which mode is on)."""
+        if not self.config.kernel.batch_invariant:
+            return "off (--batch-invariant: on): outputs may change with the batch, the chunking and prefix-cache hits"
+        if self.device.type == "cpu" and self.ops.backend == "cpu" and self.dtype == torch.bfloat16 and self._num_invariant_linears():
+            return "on: greedy and seeded outputs do not depend on the batch, the chunking or the prefix cache"
+        return (f"asked, but not guaranteed on this path ({self.ops.backend} kernels, {self.dtype}): the invariant "
+                "kernels are the C++ CPU ones in bf16 on AVX512-BF16")
 
     def prefill_context_weight(self) -> int:
         """The context length whose attention takes a new token as long as its pass through
@@ -215,6 +233,10 @@ class Worker:
 
     def _num_gemv_linears(self) -> int:
         return sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.gemv_max_rows)
+
+    def _num_invariant_linears(self) -> int:
+        """Float linears that run the C++ kernel at every row count (batch-invariant mode)."""
+        return sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.gemv_max_rows >= ALL_ROWS)
 
     def _num_float_linears(self) -> int:
         return sum(1 for m in self.model.modules() if isinstance(m, Linear) and (m.weight is not None or m.packed is not None))
@@ -244,7 +266,7 @@ class Worker:
         out = []
         if self.device.type == "cpu":
             num_float = self._num_float_linears()
-            if self.num_packed_linears < num_float:
+            if self.num_packed_linears + self._num_invariant_linears() < num_float:
                 out.append(
                     f"{num_float - self.num_packed_linears} float linear(s) could not be oneDNN-packed and run "
                     "on torch's default GEMM"

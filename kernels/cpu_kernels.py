@@ -60,6 +60,14 @@ FEW_ROWS = 8
 # its 32-row tiles beat the few-row loop (1.6x at 18 rows, 0.9x at 9, in a development
 # A/B over 8 sequences of 200 tokens; less than a tile pads the rest).
 BLOCK_MIN_ROWS = 16
+# The batch-invariant bf16 route (`--batch-invariant`; `paged_attention(..., invariant=True)`): a
+# query row's output is the same bits whatever else the step holds (csrc/cpu_kernels.cpp,
+# `attention_invariant`). Its keys are cut into parts at multiples of KEY_PART positions,
+# merged in order; the parts are what the threads share, so a batch-1 decode at 1-2k
+# tokens of context spreads over both threads as the split route (`attention_parts`) did.
+KEY_PART = 128
+# Query tokens per work item on the invariant route (any value gives the same bits).
+INVARIANT_Q_CHUNK = 8
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -148,14 +156,17 @@ def bf16_gemv_available() -> bool:
     return bool(_state["bf16_gemv"])
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for bfloat16 CPU tensors through the small-batch GEMV
-    (csrc/cpu_kernels.cpp `bf16_gemv`): the dense weight [N, K] streamed once at close to
-    copy bandwidth, products exact and summed in float32, each output rounded to bf16
-    once. For few rows (decode batches): it does M vector products per weight load, so
-    from a few rows on oneDNN's blocked GEMM is faster (kernels/linear.py routes by row
-    count, `GEMV_MAX_ROWS`). Only where `bf16_gemv_available()`."""
-    return _rowwise(lambda out, rows: load().bf16_gemv(out, rows, weight, bias), x, weight.shape[0])
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                invariant: bool = False) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for bfloat16 CPU tensors through the C++ kernel
+    (csrc/cpu_kernels.cpp `bf16_gemv`): the GEMV, the dense weight [N, K] streamed once at
+    close to copy bandwidth, products exact and summed in float32, each output rounded to
+    bf16 once; for few rows (kernels/linear.py sends calls past `GEMV_MAX_ROWS` rows to
+    oneDNN's packed GEMM). With `invariant` (`--batch-invariant`) any row count: the GEMV
+    up to 8 rows and register-blocked GEMM tiles above, every output the same function of
+    its x row and weight row (one float32 chain over K, one fixed lane tree), so a row's
+    result does not depend on the other rows. Only where `bf16_gemv_available()`."""
+    return _rowwise(lambda out, rows: load().bf16_gemv(out, rows, weight, bias, invariant), x, weight.shape[0])
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -169,13 +180,15 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     return _rowwise(lambda out, rows: load().int8_gemv(out, rows, qweight, scales), x, qweight.shape[0])
 
 
-def bf16_silu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
+def bf16_silu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+                  invariant: bool = False) -> torch.Tensor:
     """`F.linear(F.silu(gate) * up, down_weight)` with `gate, up = F.linear(x, gate_up_weight)
     .chunk(2, -1)`, bfloat16 and without biases, in one call (csrc/cpu_kernels.cpp
     `bf16_silu_mlp`): both linears through the GEMV, each intermediate rounded to bf16 as
-    the eager ops round. For the few rows `bf16_linear` takes (decode batches); one call
-    instead of five saves their Python and dispatch. Only where `bf16_gemv_available()`."""
-    return _rowwise(lambda out, rows: load().bf16_silu_mlp(out, rows, gate_up_weight, down_weight), x,
+    the eager ops round. At any row count where the linears run the C++ kernel (batch-
+    invariant mode: every call; otherwise decode batches of up to 8 rows); one call instead
+    of five saves their Python and dispatch. Only where `bf16_gemv_available()`."""
+    return _rowwise(lambda out, rows: load().bf16_silu_mlp(out, rows, gate_up_weight, down_weight, invariant), x,
                     down_weight.shape[0])
 
 
@@ -184,7 +197,7 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
                        positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
                        scale: float, eps: float, final_norm: torch.Tensor, out_rows: torch.Tensor,
-                       lm_head: torch.Tensor | None = None) -> torch.Tensor:
+                       lm_head: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """A decode step's Llama-style decoder layers for a few bf16 rows in one call
     (csrc/cpu_kernels.cpp `bf16_decode_layers`): the tokens `input_ids` (int64 [M]) looked
     up in `embedding` [vocab, hidden] (bf16), then every layer. The same kernels, order and
@@ -204,12 +217,14 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
     output rows `out_rows` (int64 [R]: the rows that sample), [R, hidden], as `add_rms_norm`
     with no add computes it; with `lm_head` [vocab, hidden] (bf16, no bias), their logits
     instead: float32 [R, vocab], each the bf16 the head's GEMV rounds it to (as
-    `bf16_linear(hidden, lm_head).float()`)."""
+    `bf16_linear(hidden, lm_head).float()`). `invariant`: attention on `paged_attention`'s
+    batch-invariant route (as the per-op forward with the same setting)."""
+    q_chunk = INVARIANT_Q_CHUNK if invariant else _few_rows_per_item(num_heads, num_kv_heads)
     return load().bf16_decode_layers(input_ids, embedding, layer_tensors, kinds, kv_caches, windows, cos, sin,
                                      positions, slot_mapping, block_tables, seq_lens, query_start_loc, num_heads,
-                                     num_kv_heads, scale, eps, _few_rows_per_item(num_heads, num_kv_heads), FEW_ROWS,
-                                     BLOCK_MIN_ROWS, final_norm, out_rows,
-                                     lm_head if lm_head is not None else _EMPTY_BF16)
+                                     num_kv_heads, scale, eps, q_chunk, FEW_ROWS,
+                                     0 if invariant else BLOCK_MIN_ROWS, KEY_PART if invariant else 0, final_norm,
+                                     out_rows, lm_head if lm_head is not None else _EMPTY_BF16)
 
 
 _EMPTY_BF16 = torch.empty(0, dtype=torch.bfloat16)  # no LM head: bf16_decode_layers returns the hidden rows
@@ -254,13 +269,21 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     sliding_window: int | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """The reference op's semantics (kernels/reference.py), routed as the module docstring says."""
+    """The reference op's semantics (kernels/reference.py), routed as the module docstring says.
+    bf16 with `invariant` (`--batch-invariant`): every chunk on the
+    batch-invariant route, so a row's output does not depend on the step's other rows, its
+    chunk's length or which of its keys were cached."""
     query = query.contiguous()
     if out is None:
         out = torch.empty_like(query)
     window = int(sliding_window or 0)
     few_rows = few_rows_q_chunk(query, key_cache.shape[2])
+    if few_rows and invariant:
+        load().paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                               window, INVARIANT_Q_CHUNK, 0, FEW_ROWS, 0, KEY_PART)
+        return out
     q_chunk = few_rows or Q_CHUNK
     # bf16 with the few-row loop (an AVX512-BF16 build): the C++ kernel takes every chunk,
     # long ones in its blocked loop. Otherwise windowed layers attend to at most `window`
@@ -268,7 +291,7 @@ def paged_attention(
     skip_over = 0 if (window or few_rows) else SHORT_CHUNK
     block_over = BLOCK_MIN_ROWS if few_rows else 0
     load().paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
-                           q_chunk, skip_over, FEW_ROWS, block_over)
+                           q_chunk, skip_over, FEW_ROWS, block_over, 0)
     if skip_over and query.shape[0] > skip_over:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):

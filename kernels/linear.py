@@ -15,6 +15,12 @@ holds both the dense and the packed weight (`engine/models/llama.py` `prepack_li
 `PAGODA_CPU_GEMV=0` keeps one copy, oneDNN only). Where the CPU lacks AVX512-BF16 the
 packed path runs at every row count (the engine logs it).
 
+With `--batch-invariant` (`engine/models/llama.py` `prepack_linears`) such bf16 linears are
+not packed at all: every call, at any row count, runs the C++ kernel (its GEMV up to 8 rows,
+register-blocked GEMM tiles above, one per-output arithmetic), so a row's outputs do not
+depend on the other rows of the call; this module's routing by row count is the default
+path, and float32's.
+
 Without a packed weight (CUDA, other dtypes, a torch without oneDNN), decode on CPU
 falls back to the sliced batched GEMV below: `bmm` over P row-slices of the weight
 spreads the weight stream over P threads, where F.linear reads it on one.

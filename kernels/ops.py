@@ -18,6 +18,7 @@ Triton is imported only when a Triton backend is chosen, so `import kernels` sta
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, ContextManager
@@ -41,21 +42,27 @@ class KernelOps:
     # RoPE in place (qk, cos table, sin table, positions) where the backend has it; None:
     # the model rotates with torch ops, reusing the step's cos/sin lookups across layers.
     rotate_qk_: Callable[..., torch.Tensor] | None = None
+    # Whether attention takes the batch-invariant route where the backend has one (the C++
+    # kernels in bf16): a row's output independent of the step's other rows and chunking.
+    batch_invariant: bool = False
 
 
-def _cpu_ops() -> KernelOps:
+def _cpu_ops(batch_invariant: bool) -> KernelOps:
     from kernels import cpu_kernels
 
     return KernelOps(
         backend="cpu",
         reshape_and_cache=cpu_kernels.reshape_and_cache,
-        paged_attention=cpu_kernels.paged_attention,
+        paged_attention=functools.partial(cpu_kernels.paged_attention, invariant=batch_invariant),
+        batch_invariant=batch_invariant,
         add_rms_norm=elementwise.cpu_add_rms_norm,
         rotate_qk_=elementwise.cpu_rotate_qk_,
     )
 
 
-def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:
+def get_ops(kernel_backend: str, device: torch.device, batch_invariant: bool = False) -> KernelOps:
+    """The ops of `kernel_backend` on `device`; `batch_invariant` chooses the C++ kernels'
+    invariant bf16 attention route (engine/config.py `KernelConfig.batch_invariant`)."""
     if kernel_backend not in ("auto", "cpu", "torch", "triton"):
         raise ValueError(f"kernel_backend must be auto, cpu, torch or triton, got {kernel_backend!r}")
     device = torch.device(device)
@@ -63,7 +70,7 @@ def get_ops(kernel_backend: str, device: torch.device) -> KernelOps:
         from kernels import cpu_kernels
 
         if device.type == "cpu" and cpu_kernels.load() is not None:
-            return _cpu_ops()
+            return _cpu_ops(batch_invariant)
         if kernel_backend == "cpu":
             raise ValueError(
                 "kernel_backend 'cpu' runs Pagoda's C++ CPU kernels: "

@@ -2,7 +2,9 @@
 replaced and against its own one-pass loop (decodes), and the routes of prefill chunks
 (kernels/cpu_kernels.py): the C++ blocked loop (bf16 chunks of more than BLOCK_MIN_ROWS
 query rows) against the few-row loop and torch's flash kernel that took such chunks before,
-for prompts without cached tokens and for a chunk after cached tokens.
+for prompts without cached tokens and for a chunk after cached tokens. The "invariant"
+column is the `--batch-invariant` bf16 route (`attention_invariant`: every chunk, batch- and
+chunk-invariant); the others are the default routes.
 
     python -m loadtest.bench_cpu_attention     # from the repository root (it reuses the tests' paged batches)
     python -m loadtest.bench_cpu_attention --quick   # fewer, smaller shapes (the smoke test)
@@ -58,7 +60,12 @@ def _cpp(batch, out, *, few_rows: int, q_chunk: int | None = None, block: bool =
     FEW_ROWS rows (`few_rows`), the one-pass loop for the rest."""
     few = cpu_kernels.few_rows_q_chunk(batch.query, KV_HEADS) if few_rows else None
     cpu_kernels.load().paged_attention(out, *batch.args(), batch.scale, 0, q_chunk or few or cpu_kernels.Q_CHUNK, 0,
-                                       few_rows, cpu_kernels.BLOCK_MIN_ROWS if block else 0)
+                                       few_rows, cpu_kernels.BLOCK_MIN_ROWS if block else 0, 0)
+
+
+def _invariant(batch, out) -> None:
+    """The batch-invariant route (`--batch-invariant`, bf16)."""
+    cpu_kernels.paged_attention(*batch.args(), batch.scale, out, invariant=True)
 
 
 def _flash(batch, out) -> None:
@@ -103,19 +110,21 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(threads)
     print(f"\nDecodes, {layers} layers, {threads} threads, wall time per layer:\n")
-    print("| batch | C++ few-row loop (the route taken) | C++ one-pass loop (before) | speed-up |")
-    print("|---|---:|---:|---:|")
-    for bs, ctx in [(8, 100)] if args.quick else [(32, 200), (64, 190), (8, 1000)]:
+    print("| batch | --batch-invariant | C++ few-row loop (default) | C++ one-pass loop (before) | speed-up |")
+    print("|---|---:|---:|---:|---:|")
+    for bs, ctx in [(8, 100)] if args.quick else [(1, 1000), (32, 200), (64, 190), (8, 1000)]:
         batches = _layers([(ctx, 1)] * bs, layers)
         out = torch.empty_like(batches[0].query)
+        inv = _best(lambda: [_invariant(b, out) for b in batches], time.perf_counter, args.repeats, 1) / layers
         new = _best(lambda: [_cpp(b, out, few_rows=few) for b in batches], time.perf_counter, args.repeats, 1) / layers
         old = _best(lambda: [_cpp(b, out, few_rows=0) for b in batches], time.perf_counter, args.repeats, 1) / layers
-        print(f"| {bs} x {ctx} tokens | {new * 1e6:.0f} us | {old * 1e6:.0f} us | {old / new:.2f}x |")
+        print(f"| {bs} x {ctx} tokens | {inv * 1e6:.0f} us ({inv / new:.2f}x) | {new * 1e6:.0f} us | {old * 1e6:.0f} us | "
+              f"{old / new:.2f}x |")
 
     print(f"\nPrompts without cached tokens, {layers} layers, {threads} threads, wall time per layer:\n")
-    print("| prompts | C++ blocked loop (the route taken) | C++ few-row loop (before, up to 1024 tokens) | "
-          "flash kernel, per prompt (before, longer) |")
-    print("|---|---:|---:|---:|")
+    print("| prompts | --batch-invariant | C++ blocked loop (default) | C++ few-row loop (before, up to "
+          "1024 tokens) | flash kernel, per prompt (before, longer) |")
+    print("|---|---:|---:|---:|---:|")
     for bs, n in [(2, 64)] if args.quick else [(4, 128), (2, 512), (1, 2048)]:
         batches = _layers([(n, n)] * bs, layers)
         out = torch.empty_like(batches[0].query)
@@ -124,19 +133,24 @@ def main(argv: list[str] | None = None) -> int:
                         args.repeats, 1) / layers
         rows = _best(lambda: [_cpp(b, out, few_rows=few) for b in batches], time.perf_counter, args.repeats, 1) / layers
         flash = _best(lambda: [_flash(b, out) for b in batches], time.perf_counter, args.repeats, 1) / layers
-        print(f"| {bs} x {n} tokens | {_fmt(blocked, flops)} | {_fmt(rows, flops)} ({rows / blocked:.2f}x) | "
+        inv = _best(lambda: [_invariant(b, out) for b in batches], time.perf_counter, args.repeats, 1) / layers
+        print(f"| {bs} x {n} tokens | {_fmt(inv, flops)} ({inv / blocked:.2f}x) | {_fmt(blocked, flops)} | "
+              f"{_fmt(rows, flops)} ({rows / blocked:.2f}x) | "
               f"{_fmt(flash, flops)} ({flash / blocked:.2f}x) |")
 
     print(f"\nOne prefill chunk after cached tokens, {threads} threads, wall time per layer:\n")
-    print("| chunk x context | C++ blocked loop (the route taken) | flash, query heads folded per KV head (before) |")
-    print("|---|---:|---:|")
+    print("| chunk x context | --batch-invariant | C++ blocked loop (default) | flash, query heads "
+          "folded per KV head (before) |")
+    print("|---|---:|---:|---:|")
     for q_len, ctx in [(40, 1200)] if args.quick else [(50, 7000), (150, 7000), (512, 4000)]:
         b = _batch([(ctx, q_len)])
         out = torch.empty_like(b.query)
         flops = _causal_flops([(ctx, q_len)])
         blocked = _best(lambda: _cpp(b, out, few_rows=few, block=True), time.perf_counter, 3, 1)
         flash = _best(lambda: _flash(b, out), time.perf_counter, 3, 1)
-        print(f"| {q_len} x {ctx} | {_fmt(blocked, flops)} | {_fmt(flash, flops)} ({flash / blocked:.2f}x) |")
+        inv = _best(lambda: _invariant(b, out), time.perf_counter, 3, 1)
+        print(f"| {q_len} x {ctx} | {_fmt(inv, flops)} ({inv / blocked:.2f}x) | {_fmt(blocked, flops)} | "
+              f"{_fmt(flash, flops)} ({flash / blocked:.2f}x) |")
     return 0
 
 

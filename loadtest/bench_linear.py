@@ -6,9 +6,10 @@ For each weight shape (SmolLM2-135M's fused qkv, gate_up, down_proj and LM head)
 times, in one process and alternating: torch's default path (what `linear` ran before the
 oneDNN change: the sliced `bmm` GEMV up to 32 float32 rows, `F.linear` otherwise, i.e. MKL
 in float32 and oneDNN without a prepacked weight in bf16), the oneDNN path with a
-prepacked weight (`pack_weight` + `linear`), and in bf16 up to 32 rows the C++
-AVX512-BF16 GEMV on the dense weight (`cpu_kernels.bf16_linear`, where the CPU has it;
-the engine routes up to `GEMV_MAX_ROWS` rows to it). Each timing cycles through
+prepacked weight (`pack_weight` + `linear`), and in bf16 the C++ AVX512-BF16 kernel on
+the dense weight (`cpu_kernels.bf16_linear`, where the CPU has it: its GEMV up to 8 rows,
+its register-blocked GEMM tiles above; the engine routes up to `GEMV_MAX_ROWS` rows to it,
+and every row count with `--batch-invariant`). Each timing cycles through
 enough distinct weights (~200 MB) that they stream from memory, as in a decode step,
 instead of sitting in the caches. Also prints the 2048^3 GEMM rate of MKL (`torch.mm`) and
 of oneDNN, the two limits `bench_offline` takes the faster of.
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
-from kernels.linear import SMALL_BATCH_ROWS, linear, pack_weight
+from kernels.linear import GEMV_MAX_ROWS, SMALL_BATCH_ROWS, linear, pack_weight
 
 SHAPES = {
     "qkv [960x576]": (960, 576),
@@ -31,8 +32,9 @@ SHAPES = {
     "down_proj [576x1536]": (576, 1536),
     "lm_head [49152x576]": (49152, 576),
 }
-# The C++ GEMV is timed up to this many rows (beyond, it is far behind oneDNN).
-GEMV_BENCH_ROWS = 32
+# The C++ kernel is timed up to this many rows: its GEMV up to 8, its GEMM tiles above (the
+# route of every row count with `--batch-invariant`).
+GEMV_BENCH_ROWS = 2048
 
 
 def _old_path(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -93,7 +95,9 @@ def main() -> None:
                 new = time_per_call(lambda xs, wp: linear(xs, wp[0], None, wp[1]), x, pairs)
                 cells = ["", "", ""]
                 if gemv and dtype == torch.bfloat16 and rows <= GEMV_BENCH_ROWS:
-                    cpp = time_per_call(cpu_kernels.bf16_linear, x, weights)
+                    # Past GEMV_MAX_ROWS rows only `--batch-invariant` runs the C++ kernel (its GEMM tiles).
+                    invariant = rows > GEMV_MAX_ROWS
+                    cpp = time_per_call(lambda xs, w: cpu_kernels.bf16_linear(xs, w, None, invariant), x, weights)
                     cells = [f"{cpp * 1e3:.3f}", f"{size / cpp / 1e9:.1f}", f"{new / cpp:.2f}x"]
                 print(f"| {str(dtype)[6:]} | {name} | {rows} | {old * 1e3:.3f} | {new * 1e3:.3f} | {old / new:.2f}x "
                       f"| {size / new / 1e9:.1f} | " + " | ".join(cells) + " |")

@@ -32,19 +32,20 @@ from server.errors import (
 )
 from server.metrics import Metrics
 from server.openapi import install_openapi
-from server.protocol import DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse
+from server.protocol import ModelCard, ModelList, parse_json_object
 from server.response_store import ResponseStore
-from server.serving import OpenAIServing, json_response, read_request
-from server.serving_chat import ChatServing, render_chat
+from server.serving import OpenAIServing, json_response, read_body
+from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
 from server.serving_responses import OWNER_STATE, ResponsesServing
+from server.serving_tokenize import TokenizeServing
 from server.tenants import LIMITER_STATE, TENANT_STATE, KeyRegistry
 
 logger = logging.getLogger("pagoda.server")
 
 __all__ = ["ServerConfig", "build_app", "pagoda_version"]
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 """Routes that answer without an API key (probes and scrapers carry none)."""
 
 
@@ -57,8 +58,9 @@ def pagoda_version() -> str:
 
 # ---- auth ----------------------------------------------------------------------------------------
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on every route but the open ones (pure ASGI: no
-    per-chunk overhead on streams, unlike BaseHTTPMiddleware).
+    """`Authorization: Bearer KEY`, or `X-Api-Key: KEY` (Anthropic-style clients and
+    gateways send it), on every route but the open ones (pure ASGI: no per-chunk overhead
+    on streams, unlike BaseHTTPMiddleware). A Bearer key is the one checked when both come.
 
     The key is looked up in the `KeyRegistry` (`--api-key` and `--api-keys-file`, compared
     in constant time); the request's scope then carries its owner id (the Responses store)
@@ -73,16 +75,19 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = b""
+        given = x_api_key = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 given = value
-                break
+            elif name == b"x-api-key":
+                x_api_key = value.strip()
         scheme, _, token = given.partition(b" ")
         # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
-        tenant = self.keys.authenticate(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
+        key = token.strip() if scheme.lower() == b"bearer" and token.strip() else x_api_key
+        tenant = self.keys.authenticate(key) if key else None
         if tenant is None:
-            message = "missing API key: send 'Authorization: Bearer KEY'" if not given else "incorrect API key provided"
+            message = ("missing API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'"
+                       if not (given or x_api_key) else "incorrect API key provided")
             error = AuthenticationError(message)
             response = JSONResponse(error.envelope(), status_code=error.status_code, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
@@ -115,28 +120,19 @@ def install_reload_on_sighup(keys: KeyRegistry) -> None:
 
 
 # ---- the endpoints that do not generate ----------------------------------------------------------
-async def tokenize(serving: OpenAIServing, request: Request) -> Response:
-    req = await read_request(request, TokenizeRequest, serving.config.max_body_bytes)
-    serving.check_model(req.model)
+def _with_body(request: Request, body: bytes) -> Request:
+    """`request` with its already-read body to be read again (the /invocations dispatch
+    reads it to pick the route); later messages (the disconnect) come from the client."""
+    replayed = False
 
-    def run(tokenizer: Any) -> list[int]:
-        if req.messages is not None:
-            return render_chat(tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message)
-        return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    async def receive() -> dict[str, Any]:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await request.receive()
 
-    tokens = await serving.tokenizers.run(run)
-    return json_response(TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=serving.max_model_len))
-
-
-async def detokenize(serving: OpenAIServing, request: Request) -> Response:
-    req = await read_request(request, DetokenizeRequest, serving.config.max_body_bytes)
-    serving.check_model(req.model)
-    if req.tokens and max(req.tokens) >= serving.vocab_size:
-        raise InvalidRequestError(f"tokens must be in [0, {serving.vocab_size})", param="tokens")
-    text = await serving.tokenizers.run(
-        lambda tokenizer: tokenizer.decode(req.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    )
-    return json_response(DetokenizeResponse(prompt=text))
+    return Request(request.scope, receive)
 
 
 def model_card(serving: OpenAIServing) -> ModelCard:
@@ -184,6 +180,7 @@ def build_app(
     responses_serving = ResponsesServing(
         serving, chat_serving, ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
     )
+    tokenize_serving = TokenizeServing(serving, chat_serving)
 
     keys = keys if keys is not None else KeyRegistry(config.api_keys_file, config.api_key)
     serving.keys = keys
@@ -215,6 +212,23 @@ def build_app(
     async def chat_completions_route(request: Request) -> Response:
         return await chat_serving.create_chat_completion(request)
 
+    # llama.cpp serves its OpenAI routes without the /v1 prefix too; its clients use both.
+    app.add_api_route("/completions", completions_route, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/chat/completions", chat_completions_route, methods=["POST"], include_in_schema=False)
+
+    @app.post("/invocations", include_in_schema=False)
+    async def invocations_route(request: Request) -> Response:
+        # SageMaker's inference route, dispatched by the body's shape as vLLM does.
+        body = await read_body(request, config.max_body_bytes)
+        shape = parse_json_object(body)
+        replayed = _with_body(request, body)
+        if "messages" in shape:
+            return await chat_serving.create_chat_completion(replayed)
+        if "prompt" in shape:
+            return await completion_serving.create_completion(replayed)
+        raise InvalidRequestError(
+            "an /invocations body needs messages (a chat completion) or prompt (a completion)", param="messages")
+
     @app.post("/v1/responses")
     async def responses_route(request: Request) -> Response:
         return await responses_serving.create_response(request)
@@ -231,6 +245,8 @@ def build_app(
     async def models_route() -> Response:
         return json_response(ModelList(data=[model_card(serving)]))
 
+    app.add_api_route("/models", models_route, methods=["GET"], include_in_schema=False)  # llama.cpp's path
+
     @app.get("/v1/models/{model:path}")
     async def model_route(model: str) -> Response:
         serving.check_model(model)
@@ -238,11 +254,11 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        return await tokenize(serving, request)
+        return await tokenize_serving.tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        return await detokenize(serving, request)
+        return await tokenize_serving.detokenize(request)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info_route() -> Response:
@@ -254,6 +270,9 @@ def build_app(
     @app.get("/health")
     async def health_route() -> Response:
         return health(serving)
+
+    # SageMaker's health probe (vLLM serves it too): the same answer as /health.
+    app.add_api_route("/ping", health_route, methods=["GET", "POST"], include_in_schema=False)
 
     @app.get("/version")
     async def version_route() -> Response:

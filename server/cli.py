@@ -24,6 +24,7 @@ _ENGINE_KEYS = (
     "lm_head_quantization",
     "speculative_config",
     "scheduling_policy",
+    "batch_invariant",
 )
 
 
@@ -56,6 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     # In a --config file: `enable-prefix-caching: false`.
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of earlier requests' identical prompt prefixes")
+    # In a --config file: `batch-invariant: true`.
+    parser.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None)
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict:
@@ -93,9 +96,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-threads", type=int, default=defaults.tokenizer_threads)
     parser.add_argument("--grammar-compile-timeout", type=float, default=defaults.grammar_compile_timeout_s)
     parser.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=list(TOOL_PARSERS))
+    parser.add_argument("--max-parallel-tool-calls", type=int, default=defaults.max_parallel_tool_calls)
     parser.add_argument("--chat-template", default=defaults.chat_template)
     parser.add_argument("--responses-store-size", type=int, default=defaults.responses_store_size)
     parser.add_argument("--responses-store-ttl", type=float, default=defaults.responses_store_ttl_s)
+    parser.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs)
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true")
     parser.add_argument("--log-level", default="info", choices=list(LOG_LEVELS), help="uvicorn's log level.")
     parser.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     parser.add_argument("--config", default=None, help="YAML file of flag values (or a preset name from configs/)")
@@ -208,9 +214,12 @@ def run_serve(ns: argparse.Namespace) -> int:
             shutdown_timeout_s=ns.shutdown_timeout,
             grammar_compile_timeout_s=ns.grammar_compile_timeout,
             tool_call_parser=ns.tool_call_parser,
+            max_parallel_tool_calls=ns.max_parallel_tool_calls,
             chat_template=ns.chat_template,
             responses_store_size=ns.responses_store_size,
             responses_store_ttl_s=ns.responses_store_ttl,
+            max_logprobs=ns.max_logprobs,
+            return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
         )
         if ns.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {ns.max_waiting_requests}")

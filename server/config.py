@@ -34,12 +34,18 @@ class ServerConfig:
     """Seconds a request's JSON schema / regex / grammar may take to compile before the request gets 400 (the compile is cached for the next identical one)."""
     tool_call_parser: str = "hermes"
     """How tool calls are read from the model's text: hermes (`<tool_call>{"name", "arguments"}</tool_call>`, the bundled model's server-side tool prompt) or llama3_json."""
+    max_parallel_tool_calls: int = 16
+    """Most tool calls in one reply (with `parallel_tool_calls`; without it, one): the next call ends the list, as does a call that repeats an earlier call of the same reply exactly (name and arguments). Either way generation stops there and the reply finishes with "tool_calls"."""
     chat_template: str | None = None
     """A Jinja chat-template file that replaces the model's own (e.g. one with a tools branch)."""
     responses_store_size: int = 1024
     """Responses kept for `previous_response_id` and `GET /v1/responses/{id}` (with `store`, OpenAI's default); past it the least recently used goes first (0: keep none)."""
     responses_store_ttl_s: float = 3600.0
     """Seconds a stored response is kept after its last use (creation, lookup or continuation)."""
+    max_logprobs: int = 20
+    """Most logprobs per token a request may ask for (`logprobs`, `top_logprobs`, vLLM's `prompt_logprobs`); more is a 400 naming the field. vLLM's `-1` in a request means the whole vocabulary, so it needs at least the vocabulary's size here (-1: no cap)."""
+    return_tokens_as_token_ids: bool = False
+    """Spell logprob tokens `token_id:N` (vLLM's flag; a request's `return_tokens_as_token_ids` overrides it): tokens whose bytes are not valid UTF-8 stay identifiable."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -56,6 +62,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0 (or none), got {value}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.max_parallel_tool_calls < 1:
+            raise ValueError(f"max_parallel_tool_calls must be >= 1, got {self.max_parallel_tool_calls}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0 (or -1: no cap), got {self.max_logprobs}")
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if not self.responses_store_ttl_s > 0:

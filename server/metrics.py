@@ -118,7 +118,8 @@ class Metrics:
             "http_requests_client_disconnected",
             "HTTP requests whose client disconnected before the response finished.")
         self._request_success = Counter(
-            PREFIX + "request_success", "Count of finished requests by finish reason.",
+            PREFIX + "request_success",
+            "Count of finished requests by finish reason; each sample counts (n=2 counts 2).",
             ["model_name", "finished_reason"], registry=reg)
         for reason in FINISH_REASONS:  # expose zeros from the start
             self._request_success.labels(model_name, reason)
@@ -171,10 +172,13 @@ class Metrics:
         # above cannot tell which API a request came through.
         endpoint_labels = ["model_name", "endpoint"]
         self._endpoint_requests = Counter(
-            PREFIX + "endpoint_requests", "Finished engine requests by endpoint and finish reason.",
+            PREFIX + "endpoint_requests",
+            "Finished requests by endpoint and finish reason, counted as request_success_total is: each "
+            "sample, with the engine's finish reason (abort only if the engine aborted it).",
             ["model_name", "endpoint", "finished_reason"], registry=reg)
         self._endpoint_prompt_tokens = Counter(
-            PREFIX + "endpoint_prompt_tokens", "Prompt tokens of finished requests, by endpoint.",
+            PREFIX + "endpoint_prompt_tokens",
+            "Prompt tokens of finished requests, by endpoint; each prompt once, as usage.prompt_tokens.",
             endpoint_labels, registry=reg)
         self._endpoint_generation_tokens = Counter(
             PREFIX + "endpoint_generation_tokens", "Generated tokens of finished requests, by endpoint.",
@@ -183,6 +187,8 @@ class Metrics:
             PREFIX + "endpoint_e2e_request_latency_seconds", "Arrival to last token, seconds, by endpoint.",
             endpoint_labels, registry=reg, buckets=REQUEST_LATENCY_BUCKETS)
         for endpoint in ENDPOINTS:  # expose zeros from the start
+            for reason in FINISH_REASONS:
+                self._endpoint_requests.labels(model_name, endpoint, reason)
             self._endpoint_prompt_tokens.labels(model_name, endpoint)
             self._endpoint_generation_tokens.labels(model_name, endpoint)
 
@@ -218,7 +224,8 @@ class Metrics:
     def record_endpoint_request(
         self, endpoint: str, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int, latency_s: float
     ) -> None:
-        """One engine request that ended (finished or aborted), by the endpoint it came through."""
+        """One sample that the engine ended (finished or aborted), by the endpoint it came
+        through; `num_prompt_tokens` is its prompt's for sample 0 only."""
         self._endpoint_requests.labels(self.model_name, endpoint, finish_reason).inc()
         self._endpoint_prompt_tokens.labels(self.model_name, endpoint).inc(num_prompt_tokens)
         self._endpoint_generation_tokens.labels(self.model_name, endpoint).inc(num_generation_tokens)

@@ -13,8 +13,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.protocol_responses import ResponsesRequest
+from server.serving_tokenize import DetokenizeRequest, TokenizeRequest
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,

@@ -26,6 +26,7 @@ import logging
 import math
 import re
 import threading
+import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Mapping
 
@@ -44,12 +45,15 @@ from pydantic.json_schema import SkipJsonSchema
 from engine.outputs import Logprob
 from engine.structured_output.spec import GrammarError, StructuredOutputSpec
 from server.errors import InvalidRequestError
+from server.protocol_llamacpp import REFUSED_LLAMACPP, LlamaCppRequestFields
+from server.protocol_vllm import PromptLogprobs, VllmRequestFields, token_id_string
 
 logger = logging.getLogger("pagoda.server")
 
 MAX_PROMPTS = 64
 """Most prompts in one completions request (a list of strings or of token-id lists)."""
 MAX_LOGPROBS = 20
+"""The default of --max-logprobs (OpenAI's limit): the most logprobs per token a request may ask for."""
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
@@ -114,19 +118,16 @@ REFUSED_COMMON: Mapping[str, Refusal] = {
     "prediction": Refusal("predicted outputs are not implemented"),
     "web_search_options": Refusal("this server has no web search"),
     # vLLM extensions, refused unless they hold vLLM's default
-    "use_beam_search": Refusal("beam search is not implemented", (None, False)),
-    "length_penalty": Refusal("it applies to beam search, which is not implemented", (None, 1.0, 1)),
     "allowed_token_ids": Refusal(f"{_NOT_IMPLEMENTED_VLLM} (logit_bias can do the same)"),
     "bad_words": Refusal(f"{_NOT_IMPLEMENTED_VLLM} (stop or logit_bias may help)", (None, [])),
-    "truncate_prompt_tokens": Refusal(_NOT_IMPLEMENTED_VLLM),
     "spaces_between_special_tokens": Refusal(_NOT_IMPLEMENTED_VLLM, (None, True)),
     "logits_processors": Refusal(_NOT_IMPLEMENTED_VLLM),
-    "return_tokens_as_token_ids": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
-    "return_token_ids": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
     "structural_tag": Refusal("structural tags are not implemented"),
     "guided_whitespace_pattern": Refusal("a custom JSON whitespace pattern is not implemented"),
     "kv_transfer_params": Refusal("disaggregated serving is not implemented"),
     "vllm_xargs": Refusal(_NOT_IMPLEMENTED_VLLM),
+    # llama.cpp's own fields (server/protocol_llamacpp.py)
+    **{name: Refusal(reason, unused) for name, (reason, unused) in REFUSED_LLAMACPP.items()},
 }
 _CHAT_FIELD = "it is a chat completions field (POST /v1/chat/completions)"
 REFUSED_COMPLETION_ONLY: Mapping[str, Refusal] = {
@@ -140,7 +141,6 @@ REFUSED_COMPLETION_ONLY: Mapping[str, Refusal] = {
     "top_logprobs": Refusal(f"{_CHAT_FIELD}; completions use logprobs (an integer)"),
     "add_generation_prompt": Refusal(_CHAT_FIELD, (None, True)),
     "continue_final_message": Refusal(_CHAT_FIELD, (None, False)),
-    "prompt_logprobs": Refusal("use echo with logprobs for the prompt's logprobs"),
     "prompt_embeds": Refusal("prompts are text or token ids"),
     "add_special_tokens": Refusal(_NOT_IMPLEMENTED_VLLM, (None, True)),
 }
@@ -148,8 +148,6 @@ REFUSED_CHAT_ONLY: Mapping[str, Refusal] = {
     "best_of": Refusal("it is a completions field (POST /v1/completions)", (None, 1)),
     "suffix": Refusal("it is a completions field, and suffix is not implemented"),
     "prompt": Refusal("it is a completions field; chat takes messages"),
-    "echo": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
-    "prompt_logprobs": Refusal(_NOT_IMPLEMENTED_VLLM),
     "add_special_tokens": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
     "chat_template": Refusal("a per-request chat template is not implemented (the server's template is used)"),
     "chat_template_kwargs": Refusal(_NOT_IMPLEMENTED_VLLM, (None, {})),
@@ -168,8 +166,10 @@ llguidance (vLLM's name for it is "guidance")."""
 
 class JsonSchemaFormat(_Request):
     """`response_format.json_schema`. `strict` is accepted either way: the output is always
-    held to the schema exactly (OpenAI's strict mode)."""
+    held to the schema exactly (OpenAI's strict mode). Unknown keys are refused: an ignored
+    key here could be an ignored constraint."""
 
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -178,10 +178,16 @@ class JsonSchemaFormat(_Request):
 
 class ResponseFormat(_Request):
     """`{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON object) or
-    `{"type": "json_schema", "json_schema": {"name", "schema", ...}}`."""
+    `{"type": "json_schema", "json_schema": {"name", "schema", ...}}`; llama.cpp's
+    `{"type": "json_object", "schema": {...}}` is JSON matching that schema. Unknown keys
+    are refused, as in `JsonSchemaFormat`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """llama.cpp's: with type "json_object", the schema the object must match."""
 
     @model_validator(mode="before")
     @classmethod
@@ -202,6 +208,9 @@ class ResponseFormat(_Request):
             )
         if self.type != "json_schema" and self.json_schema is not None:
             raise ValueError(f"response_format of type {self.type!r} takes no json_schema")
+        if self.type != "json_object" and self.schema_ is not None:
+            raise ValueError(f"response_format of type {self.type!r} takes no schema (llama.cpp's form is "
+                             "{\"type\": \"json_object\", \"schema\": {...}})")
         return self
 
 
@@ -261,7 +270,8 @@ _SPEC_BUILDERS = {
     "grammar": StructuredOutputSpec.grammar,
 }
 _GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                  ("guided_grammar", "grammar"))
+                  ("guided_grammar", "grammar"), ("json_schema", "json"), ("grammar", "grammar"))
+"""Top-level constraint fields: vLLM's older `guided_*`, then llama.cpp's `json_schema` and `grammar`."""
 
 
 def structured_output_spec(req: "SamplingRequest") -> StructuredOutputSpec | None:
@@ -269,7 +279,8 @@ def structured_output_spec(req: "SamplingRequest") -> StructuredOutputSpec | Non
 
     Sources: `response_format` (json_object / json_schema; "text" is no constraint),
     `structured_outputs` (vLLM), and the older top-level `guided_json`, `guided_regex`,
-    `guided_choice`, `guided_grammar`. At most one may constrain a request. The spec's
+    `guided_choice`, `guided_grammar`, and llama.cpp's `json_schema` and `grammar` (GBNF).
+    At most one may constrain a request. The spec's
     `param` is the field it came from, for errors raised later (compilation).
 
     Raises InvalidRequestError (400, `param` named) for two constraints, or for one the
@@ -278,7 +289,9 @@ def structured_output_spec(req: "SamplingRequest") -> StructuredOutputSpec | Non
     """
     found: list[tuple[str, str, Any]] = []  # (field, spec kind, value)
     rf = req.response_format
-    if rf is not None and rf.type == "json_object":
+    if rf is not None and rf.type == "json_object" and rf.schema_ is not None:
+        found.append(("response_format", "json", rf.schema_))  # llama.cpp's form
+    elif rf is not None and rf.type == "json_object":
         found.append(("response_format", "json_object", None))
     elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
         found.append(("response_format", "json", rf.json_schema.schema_))
@@ -307,9 +320,15 @@ def structured_output_spec(req: "SamplingRequest") -> StructuredOutputSpec | Non
 # ---- requests ----------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with `include_usage`, every chunk carries the usage so far (its choice's
+    completion tokens); without `include_usage` it does nothing, as in vLLM."""
+    include_obfuscation: bool | None = None
+    """OpenAI's: pads deltas with an `obfuscation` field against side channels. A no-op: no
+    padding is sent (it cannot change the generated text)."""
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(_Request, VllmRequestFields, LlamaCppRequestFields):
     """The fields completions and chat share (OpenAI + vLLM names).
 
     Accepted no-ops - OpenAI fields that cannot change what a local model generates, so
@@ -318,7 +337,9 @@ class SamplingRequest(_Request):
     reasoning or verbosity control), `prompt_cache_key` and `prompt_cache_retention` (the
     prefix cache is automatic, keyed by content and `cache_salt`), `safety_identifier`,
     `modalities` (only `["text"]`), `guided_decoding_backend` (one backend).
-    Refused when used: `REFUSED_FIELDS` (400 naming the field).
+    Refused when used: `REFUSED_FIELDS` (400 naming the field). vLLM's prompt logprobs,
+    token ids and prompt truncation: `VllmRequestFields` (server/protocol_vllm.py); llama.cpp's
+    `n_predict`, `json_schema` and `grammar`: `LlamaCppRequestFields` (server/protocol_llamacpp.py).
     """
 
     REFUSED_FIELDS: ClassVar[Mapping[str, Refusal]] = REFUSED_COMMON
@@ -347,6 +368,10 @@ class SamplingRequest(_Request):
     priority: int | None = Field(None, ge=-1000, le=1000)
     """vLLM's scheduling priority: lower is scheduled first (`--scheduling-policy fair`); with a
     named API key, no lower than the key's priority; none: the key's priority, or 0."""
+    use_beam_search: bool | None = None
+    """vLLM's: the `n` best sequences of a beam search of width `n` (engine/beam_search.py)."""
+    length_penalty: float | None = None
+    """vLLM's, for beam search: a finished beam scores log-probability / length ** length_penalty."""
 
     # What the output must match (see structured_output_spec).
     response_format: ResponseFormat | None = None
@@ -419,6 +444,11 @@ class SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's `continuous_usage_stats`, only with `include_usage`)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -431,7 +461,8 @@ class CompletionRequest(SamplingRequest):
 
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
+    """At most --max-logprobs (checked by the server)."""
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -724,7 +755,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1)
+    """-1: the whole vocabulary (vLLM); at most --max-logprobs either way (checked by the server)."""
+    echo: bool = False
+    """vLLM's: the reply's content starts with the last message's, when the reply continues it
+    (server/protocol_vllm.py `chat_echo_prefix`)."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     # Tools, in this order: each validator sees the fields above it in `info.data`.
@@ -848,32 +883,6 @@ def _tool_names(data: dict[str, Any]) -> list[str]:
     return [t.function.name for t in tools] + [f.name for f in functions]
 
 
-class TokenizeRequest(_Request):
-    # Published in /openapi.json: exactly one of the two inputs (checked by _one_input).
-    model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
-    ]})
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: Messages | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
-        return self
-
-
-class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[TokenId]
-
-
 # ---- unknown fields: ignored, logged once per name -------------------------------------------------
 MAX_UNKNOWN_FIELDS_LOGGED = 256
 """Distinct unknown field names logged per process; past it, clients inventing names
@@ -895,10 +904,49 @@ def known_fields(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(names)
 
 
-def unknown_fields(model: type[BaseModel], body: Mapping[str, Any]) -> list[str]:
-    """The keys of a request body that are neither fields of `model` nor refused by it."""
+@functools.cache
+def _nested_models(model: type[BaseModel]) -> dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None]]:
+    """Per field name (and alias) of `model`: the model a JSON object in it is read as, and
+    the model of the objects of a JSON array in it (`stream_options`: StreamOptions, None;
+    `messages`: None, ChatMessage). Fields without models are left out."""
+    out: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None]] = {}
+    for name, info in model.model_fields.items():
+        direct: list[type[BaseModel]] = []
+        in_list: list[type[BaseModel]] = []
+        stack: list[tuple[Any, bool]] = [(info.annotation, False)]
+        while stack:
+            annotation, listed = stack.pop()
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                (in_list if listed else direct).append(annotation)
+                continue
+            origin = typing.get_origin(annotation)
+            for arg in typing.get_args(annotation):
+                stack.append((arg, listed or origin is list))
+        entry = (direct[0] if len(direct) == 1 else None, in_list[0] if len(in_list) == 1 else None)
+        if entry != (None, None):
+            for key in (name, info.alias):
+                if isinstance(key, str):
+                    out[key] = entry
+    return out
+
+
+def unknown_fields(model: type[BaseModel], body: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The keys of a request body that are neither fields of `model` nor refused by it, and
+    those of the objects nested in its fields (`stream_options.x`, `messages[].x`). Objects
+    whose model refuses unknown keys (`extra="forbid"`) are not walked: they get a 400."""
     known = known_fields(model)
-    return [key for key in body if key not in known]
+    out = [prefix + key for key in body if key not in known]
+    for key, (direct, listed) in _nested_models(model).items():
+        value = body.get(key)
+        if isinstance(value, dict) and direct is not None and direct.model_config.get("extra") != "forbid":
+            out += unknown_fields(direct, value, f"{prefix}{key}.")
+        elif isinstance(value, list) and listed is not None and listed.model_config.get("extra") != "forbid":
+            seen: set[str] = set()
+            for item in value:
+                if isinstance(item, dict):
+                    seen.update(unknown_fields(listed, item, f"{prefix}{key}[]."))
+            out += sorted(seen)
+    return out
 
 
 def log_unknown_fields(model: type[BaseModel], body: Mapping[str, Any]) -> None:
@@ -906,6 +954,7 @@ def log_unknown_fields(model: type[BaseModel], body: Mapping[str, Any]) -> None:
 
     They are ignored (vLLM compatibility: clients send extensions of other servers), but
     an operator should learn that a client expects something this server does not do.
+    Keys nested in known objects are logged by their path (`stream_options.x`, `messages[].x`).
     """
     for name in unknown_fields(model, body):
         key = (model.__name__, name[:_MAX_LOGGED_NAME_LEN])
@@ -1009,6 +1058,17 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's (server/protocol_vllm.py): prompt_logprobs is null unless asked, as vLLM sends it;
+    # the token ids only with return_token_ids.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class CompletionStreamChoice(CompletionChoice):
+    """A streamed choice: prompt logprobs are not streamed (vLLM refuses them with stream)."""
+
+    prompt_logprobs: SkipJsonSchema[None] = Field(None, exclude=True)
 
 
 class CompletionResponse(_Response):
@@ -1017,6 +1077,9 @@ class CompletionResponse(_Response):
     created: int
     model: str
     choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    """Always null, as vLLM sends it: no fingerprint of the backend's configuration is kept
+    (GET /version names the build)."""
     usage: UsageInfo
 
 
@@ -1025,7 +1088,9 @@ class CompletionStreamResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
+    system_fingerprint: str | None = None
+    """Null: see `CompletionResponse.system_fingerprint`."""
     usage: UsageInfo | None = Field(None, exclude_if=lambda v: v is None)
 
 
@@ -1068,6 +1133,8 @@ class ChatChoice(_Response):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
+    """vLLM's `return_token_ids`: the reply's token ids."""
 
 
 class ChatCompletionResponse(_Response):
@@ -1076,7 +1143,12 @@ class ChatCompletionResponse(_Response):
     created: int
     model: str
     choices: list[ChatChoice]
+    system_fingerprint: str | None = None
+    """Null: see `CompletionResponse.system_fingerprint`."""
     usage: UsageInfo
+    # vLLM's, on the response (one prompt): null unless asked, as vLLM sends it.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatStreamChoice(_Response):
@@ -1087,6 +1159,8 @@ class ChatStreamChoice(_Response):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
+    """vLLM's `return_token_ids`: the output tokens this chunk adds."""
 
 
 class ChatCompletionStreamResponse(_Response):
@@ -1095,7 +1169,11 @@ class ChatCompletionStreamResponse(_Response):
     created: int
     model: str
     choices: list[ChatStreamChoice]
+    system_fingerprint: str | None = None
+    """Null: see `CompletionResponse.system_fingerprint`."""
     usage: UsageInfo | None = Field(None, exclude_if=lambda v: v is None)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
+    """vLLM's `return_token_ids`: in the stream's first chunk."""
 
 
 class ModelCard(_Response):
@@ -1110,16 +1188,6 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class TokenizeResponse(_Response):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
-class DetokenizeResponse(_Response):
-    prompt: str
 
 
 # ---- logprobs in the two OpenAI formats ----------------------------------------------------------
@@ -1138,6 +1206,7 @@ def completion_logprobs(
     text_offset: int,
     hidden_ids: frozenset[int] = frozenset(),
     into: CompletionLogprobs | None = None,
+    as_token_ids: bool = False,
 ) -> tuple[CompletionLogprobs, int]:
     """Legacy completions logprobs for a run of tokens; returns them and the next text offset.
 
@@ -1145,42 +1214,56 @@ def completion_logprobs(
     top_logprobs has k entries, k + 1 when the sampled token is not among them).
     `hidden_ids`: tokens shown as "" (the special tokens, when the text skips them).
     `into`: append to these (the echoed prompt's entries) instead of starting empty.
+    `as_token_ids`: tokens spelled `token_id:N` (vLLM's `return_tokens_as_token_ids`); the
+    offsets still count the text's characters.
     """
     out = into if into is not None else CompletionLogprobs()
     for entry in token_logprobs:
         sampled_id, sampled = next(iter(entry.items()))
         token = _token_text(sampled_id, sampled, hidden_ids)
-        out.tokens.append(token)
+        out.tokens.append(token_id_string(sampled_id) if as_token_ids else token)
         out.token_logprobs.append(_finite(sampled.logprob))
-        out.top_logprobs.append({_token_text(t, lp, hidden_ids): _finite(lp.logprob) for t, lp in entry.items()})
+        out.top_logprobs.append({
+            (token_id_string(t) if as_token_ids else _token_text(t, lp, hidden_ids)): _finite(lp.logprob)
+            for t, lp in entry.items()
+        })
         out.text_offset.append(text_offset)
         text_offset += len(token)
     return out, text_offset
 
 
-def echo_logprobs(first_token: str, prompt_logprobs: list[dict[int, Logprob] | None]) -> tuple[CompletionLogprobs, int]:
+def echo_logprobs(
+    first_token: str, prompt_logprobs: list[dict[int, Logprob] | None], first_token_id: int | None = None,
+    as_token_ids: bool = False,
+) -> tuple[CompletionLogprobs, int]:
     """The echoed prompt's entries in the legacy format, and the text offset after them.
 
     Nothing predicts the first token, so its logprob and top_logprobs are null (as OpenAI);
     each later entry holds the prompt token first, then the top-k alternatives. The prompt
-    is echoed verbatim, so its special tokens keep their text.
+    is echoed verbatim, so its special tokens keep their text. With `as_token_ids` the first
+    token reads `token_id:{first_token_id}`.
     """
-    out = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first_token], top_logprobs=[None])
-    return completion_logprobs(prompt_logprobs[1:], len(first_token), into=out)  # type: ignore[arg-type]
+    shown = token_id_string(first_token_id) if as_token_ids and first_token_id is not None else first_token
+    out = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[shown], top_logprobs=[None])
+    return completion_logprobs(prompt_logprobs[1:], len(first_token), into=out,  # type: ignore[arg-type]
+                               as_token_ids=as_token_ids)
 
 
 def chat_logprobs(
-    token_logprobs: list[dict[int, Logprob]], top_k: int, hidden_ids: frozenset[int] = frozenset()
+    token_logprobs: list[dict[int, Logprob]], top_k: int, hidden_ids: frozenset[int] = frozenset(),
+    as_token_ids: bool = False,
 ) -> ChatChoiceLogprobs:
+    """Chat logprobs: each token with its `top_k` best alternatives; `as_token_ids`: tokens
+    (and their bytes) spelled `token_id:N` (vLLM's `return_tokens_as_token_ids`)."""
     content = []
     for entry in token_logprobs:
         sampled_id, sampled = next(iter(entry.items()))
         # The k best by rank: the sampled token is in them only if its rank is <= k.
         top = sorted(entry.items(), key=lambda item: item[1].rank)[:top_k] if top_k else []
-        token = _token_text(sampled_id, sampled, hidden_ids)
+        token = token_id_string(sampled_id) if as_token_ids else _token_text(sampled_id, sampled, hidden_ids)
         alternatives = []
         for t, lp in top:
-            text = _token_text(t, lp, hidden_ids)
+            text = token_id_string(t) if as_token_ids else _token_text(t, lp, hidden_ids)
             alternatives.append(ChatTopLogprob(token=text, logprob=_finite(lp.logprob), bytes=list(text.encode("utf-8"))))
         content.append(
             ChatTokenLogprob(

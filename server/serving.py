@@ -37,6 +37,7 @@ from server.config import ServerConfig
 from server.errors import (
     ClientDisconnectedError,
     ContextLengthError,
+    InternalServerError,
     InvalidRequestError,
     ModelNotFoundError,
     RateLimitError,
@@ -48,6 +49,7 @@ from server.errors import (
 )
 from server.metrics import Metrics
 from server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo, parse_json_object
+from server.protocol_vllm import check_stop_token_ids, logit_bias_token_ids, num_logprobs, truncate_prompt
 from server.rate_limit import KeyLimiter, RateLimitExceeded, retry_after_headers
 from server.tenants import Tenant, request_tenant
 
@@ -115,6 +117,16 @@ class PromptResult:
             self.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 self.prompt_logprobs = out.prompt_logprobs
+
+
+def prompt_entries(prompt: PromptInput, result: PromptResult) -> list[dict[int, Logprob] | None]:
+    """The engine's prompt logprob entries, one per prompt token (None first)."""
+    entries = result.prompt_logprobs
+    if entries is None or len(entries) != len(prompt.token_ids):
+        # Misaligned entries would pair logprobs with the wrong tokens: fail loudly instead.
+        got = "none" if entries is None else len(entries)
+        raise InternalServerError(f"the engine returned {got} prompt logprobs for {len(prompt.token_ids)} prompt tokens")
+    return entries
 
 
 # ---- request bodies ----------------------------------------------------------------------------
@@ -217,26 +229,18 @@ class Admission:
 
 async def _admitted(
     gen: AsyncIterator[RequestOutput], admission: Admission, n: int, num_tokens: int,
-    on_end: Callable[[str, int], None] | None = None,
 ) -> AsyncIterator[RequestOutput]:
-    """The engine stream; once it ends (finished, or closed early: "abort"), `on_end` gets
-    its finish reason and the tokens its samples generated."""
+    """The engine stream, its output tokens charged to the caller's key as they come."""
     # Hand the places to the engine in the same synchronous run as generate()'s own
     # capacity check (which happens at its first __anext__), so nothing runs in between.
     admission.release(n, num_tokens)
-    finish_reason = "abort"
     num_generated: dict[int, int] = {}
-    try:
-        async with aclosing(gen):
-            async for out in gen:
-                for c in out.outputs:
-                    admission.charge_output(len(c.token_ids) - num_generated.get(c.index, 0))
-                    num_generated[c.index] = len(c.token_ids)
-                    finish_reason = c.finish_reason or finish_reason
-                yield out
-    finally:
-        if on_end is not None:
-            on_end(finish_reason, sum(num_generated.values()))
+    async with aclosing(gen):
+        async for out in gen:
+            for c in out.outputs:
+                admission.charge_output(len(c.token_ids) - num_generated.get(c.index, 0))
+                num_generated[c.index] = len(c.token_ids)
+            yield out
 
 
 async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -415,17 +419,8 @@ class OpenAIServing:
     ) -> SamplingParams:
         if req.n > self.config.max_n:
             raise InvalidRequestError(f"n must be at most {self.config.max_n}, got {req.n}", param="n")
-        logit_bias = None
-        if req.logit_bias:
-            logit_bias = {}
-            for key, value in req.logit_bias.items():
-                if not key.isdigit() or int(key) >= self.vocab_size:
-                    raise InvalidRequestError(
-                        f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}", param="logit_bias"
-                    )
-                logit_bias[int(key)] = value
-        if req.stop_token_ids and max(req.stop_token_ids) >= self.vocab_size:
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
+        logit_bias = logit_bias_token_ids(req.logit_bias, self.vocab_size) if req.logit_bias else None
+        check_stop_token_ids(req.stop_token_ids, self.vocab_size)
         try:
             return SamplingParams(
                 n=req.n,
@@ -448,8 +443,12 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 structured_output=structured_output,
+                use_beam_search=bool(req.use_beam_search),
+                length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
             )
         except ValueError as e:
+            if str(e).startswith("structured_output"):  # beam search: name the field that asked for a grammar
+                raise InvalidRequestError(str(e), param=structured_output.param or "response_format") from e
             raise _params_error(e) from e
 
     async def prepare_structured_output(self, spec: StructuredOutputSpec | None, kind: str | None = None) -> None:
@@ -510,6 +509,19 @@ class OpenAIServing:
         """Tokens whose logprob entries read "": those the text leaves out."""
         return self.special_ids if req.skip_special_tokens else frozenset()
 
+    def num_logprobs(self, value: int | None, param: str) -> int | None:
+        """A request's logprobs count for the engine (-1: the vocabulary), held to --max-logprobs."""
+        return num_logprobs(value, param, self.vocab_size, self.config.max_logprobs)
+
+    def as_token_ids(self, req: SamplingRequest) -> bool:
+        """Whether logprob tokens read `token_id:N`: the request's choice, else --return-tokens-as-token-ids."""
+        value = req.return_tokens_as_token_ids
+        return self.config.return_tokens_as_token_ids if value is None else value
+
+    def truncate(self, token_ids: list[int], req: SamplingRequest) -> list[int]:
+        """The prompt cut to its last `truncate_prompt_tokens` tokens (vLLM's field), if set."""
+        return truncate_prompt(token_ids, req.truncate_prompt_tokens, self.max_model_len)
+
     def usage(self, prompts: list[PromptInput], results: list[PromptResult], num_completion_tokens: int) -> UsageInfo:
         num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return UsageInfo(
@@ -519,6 +531,14 @@ class OpenAIServing:
             # Per prompt, not per sample: samples 1..n-1 share sample 0's prompt blocks.
             prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens for r in results)),
         )
+
+    @staticmethod
+    def chunk_usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+        """The usage a stream chunk carries under vLLM's `continuous_usage_stats`: one
+        choice's prompt and its completion tokens so far (the stream's last chunk still
+        carries the whole request's, cached tokens included)."""
+        return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                         total_tokens=num_prompt_tokens + num_completion_tokens)
 
     def deadline(self, arrival: float) -> float | None:
         """The `time.monotonic()` by which a request that arrived at `arrival` must end."""
@@ -531,32 +551,46 @@ class OpenAIServing:
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The merged engine streams of all prompts; they start when first iterated, taking
         their places from `admission` (which the caller releases once done, in case they
-        never started). Each stream's end is counted under `endpoint` in the metrics."""
+        never started). Each sample's end is counted under `endpoint` in the metrics, with
+        the finish reason the engine gave it (as `request_success_total` counts it), even
+        when the client left after the engine finished; a prompt's tokens count once."""
         deadline = self.deadline(arrival)
 
-        def on_end(num_prompt_tokens: int) -> Callable[[str, int], None]:
-            return lambda reason, num_generated: self.metrics.record_endpoint_request(
-                endpoint, reason, num_prompt_tokens, num_generated, time.monotonic() - arrival)
+        def on_sample_end(num_prompt_tokens: int) -> Callable[[int, CompletionOutput | None], None]:
+            def record(index: int, c: CompletionOutput | None) -> None:
+                self.metrics.record_endpoint_request(
+                    endpoint, c.finish_reason if c is not None and c.finish_reason else "abort",
+                    num_prompt_tokens if index == 0 else 0, len(c.token_ids) if c is not None else 0,
+                    time.monotonic() - arrival)
+            return record
 
         gens = [
             _admitted(
                 self.engine.generate(
                     f"{request_id}-{i}", p.token_ids, p.params, cache_salt, deadline, self.config.max_queue_time_s,
-                    admission.tenant_name, admission.priority,
+                    admission.tenant_name, admission.priority, on_sample_end(len(p.token_ids)),
                 ),
                 admission,
                 p.params.n,
                 len(p.token_ids),
-                on_end(len(p.token_ids)),
             )
             for i, p in enumerate(prompts)
         ]
         return _merge(gens)
 
+    def stop_sample(self, request_id: str, prompt_index: int, index: int) -> None:
+        """End sample `index` of prompt `prompt_index` of `start_streams(request_id, ...)` now,
+        as stopped: the endpoint found its output complete (the duplicate tool-call guard).
+        Its stream still gets a last output."""
+        self.engine.stop(f"{request_id}-{prompt_index}", index)
+
     async def collect(
-        self, stream: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, n: int
+        self, stream: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, n: int,
+        on_output: Callable[[int, CompletionOutput], None] | None = None,
     ) -> tuple[list[list[CompletionOutput]], list[PromptResult]]:
-        """The final CompletionOutput of every (prompt, sample), and what each prompt reported."""
+        """The final CompletionOutput of every (prompt, sample), and what each prompt reported.
+        `on_output(prompt index, output)` sees every step's output as it comes (to read it
+        while it is generated, e.g. to stop a sample early)."""
         finals: list[list[CompletionOutput | None]] = [[None] * n for _ in range(num_prompts)]
         results = [PromptResult() for _ in range(num_prompts)]
         async with aclosing(stream):
@@ -564,6 +598,8 @@ class OpenAIServing:
                 results[i].update(out)
                 for c in out.outputs:
                     finals[i][c.index] = c
+                    if on_output is not None:
+                        on_output(i, c)
         # The engine streams end only when every sample finished, so none is left None.
         return finals, results  # type: ignore[return-value]
 

@@ -11,7 +11,10 @@ the `--tool-call-parser` into `message.tool_calls` (finish_reason "tool_calls");
 each call's id and name go out first, then its argument fragments. tool_choice "required"
 or a named function constrains the output with a grammar, so the call always parses and
 its arguments validate; "auto" with a `strict` tool constrains a call once it starts;
-"none" leaves the tools out of the prompt and parses nothing.
+"none" leaves the tools out of the prompt and parses nothing. The reply is read while it is
+generated (`ToolCallReader`): a call that repeats an earlier one exactly, or one past
+`--max-parallel-tool-calls` (past the first without `parallel_tool_calls`), ends the list and
+stops the sample, which finishes with "tool_calls" (server/tools/guard.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import jinja2
 from fastapi import Request
@@ -40,9 +43,11 @@ from server.protocol import (
     ChatResponseToolCall,
     ChatStreamChoice,
     FunctionCallOut,
+    Tool,
     chat_logprobs,
     structured_output_spec,
 )
+from server.protocol_vllm import chat_echo_prefix, prompt_logprobs_out
 from server.serving import (
     Admission,
     OpenAIServing,
@@ -50,15 +55,19 @@ from server.serving import (
     PromptResult,
     json_response,
     new_logprobs,
+    prompt_entries,
     read_request,
     sse_event,
     sse_response,
 )
 from server.tools import (
     ContentDelta,
+    Delta,
+    GuardedToolCallStream,
     ParsedToolCalls,
     ToolCallDelta,
     ToolParser,
+    collect_deltas,
     get_tool_parser,
     prepare_conversation,
     template_supports_tools,
@@ -79,11 +88,46 @@ class _Tools:
     choice: str | dict[str, Any]
     """"none", "auto", "required" or `{"type": "function", "function": {"name"}}`."""
     parallel: bool
+    max_calls: int
+    """Most calls in one reply: 1 without `parallel_tool_calls`, else --max-parallel-tool-calls."""
 
     @property
     def active(self) -> bool:
         """The model may call tools: they are in the prompt and its reply is parsed."""
         return bool(self.tools) and self.choice != "none"
+
+
+class ToolCallReader:
+    """One sample's reply read for tool calls while it is generated: the tool parser's deltas
+    past the duplicate-call guard (server/tools/guard.py). When the guard ends the list the
+    sample is stopped in the engine (`stop`), its later text is ignored, and it finishes with
+    "tool_calls"."""
+
+    def __init__(self, stream: GuardedToolCallStream, stop: Callable[[], None]) -> None:
+        self._stream = stream
+        self._stop = stop
+        self.deltas: list[Delta] = []
+        """Everything read so far (what the whole reply adds up to)."""
+
+    @property
+    def ended(self) -> bool:
+        return self._stream.ended
+
+    def read(self, c: CompletionOutput) -> list[Delta]:
+        """The deltas of `c`'s new text (and of the reply's end, once `c` finished)."""
+        if self.ended:
+            return []
+        deltas = self._stream.feed(c.delta_text) + (self._stream.finish() if c.finish_reason is not None else [])
+        if self.ended:
+            self._stop()
+        self.deltas += deltas
+        return deltas
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """"tool_calls" once a call completed the reply, else the engine's reason."""
+        if self.ended or (engine_reason == "stop" and any(isinstance(d, ToolCallDelta) for d in self.deltas)):
+            return "tool_calls"
+        return engine_reason
 
 
 def render_chat(
@@ -120,6 +164,7 @@ class ChatServing:
             with open(config.chat_template, encoding="utf-8") as f:
                 self.chat_template = f.read()
         self.tool_parser: type[ToolParser] = get_tool_parser(config.tool_call_parser)
+        self.max_parallel_tool_calls = config.max_parallel_tool_calls
         # Read before the engine loop starts: the tokenizer is the engine thread's after that.
         added = serving.engine.tokenizer.get_added_vocab()
         self.special_tool_tags = tuple(t for t in _TOOL_TAGS if t in added)
@@ -130,36 +175,58 @@ class ChatServing:
         req = await read_request(request, ChatCompletionRequest, serving.config.max_body_bytes)
         serving.check_model(req.model)
         tools, admission, prompt = await self.admit_prompt(req, request)
-        top_k = req.top_logprobs or 0
+        top_k = self._top_k(req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         stream = serving.start_streams(request_id, [prompt], req.cache_salt, admission, arrival, "chat_completions")
+        readers = [self.tool_call_reader(tools, request_id, i) for i in range(req.n)] if tools.active else None
         if req.stream:
-            events = self._stream(req, tools, request_id, created, prompt, stream)
+            events = self._stream(req, tools, request_id, created, prompt, stream, readers)
             return sse_response(serving.sse_events(events), admission)
+        on_output = (lambda _, c: readers[c.index].read(c)) if readers is not None else None
         try:
-            finals, results = await serving.until_disconnected(request, serving.collect(stream, 1, req.n))
+            finals, results = await serving.until_disconnected(
+                request, serving.collect(stream, 1, req.n, on_output))
         finally:
             admission.release_all()
         choices = []
         num_completion_tokens = 0
+        echo_prefix = chat_echo_prefix(req)
+        as_token_ids = serving.as_token_ids(req)
         for c in finals[0]:
             num_completion_tokens += len(c.token_ids)
-            message, finish_reason = self._message(c, tools)
+            message, finish_reason = self._message(c, readers[c.index] if readers is not None else None)
+            if echo_prefix:
+                message.content = echo_prefix + (message.content or "")
             choices.append(
                 ChatChoice(
                     index=c.index,
                     message=message,
-                    logprobs=chat_logprobs(c.logprobs or [], top_k, serving.hidden_ids(req)) if req.logprobs else None,
+                    logprobs=(chat_logprobs(c.logprobs or [], top_k, serving.hidden_ids(req), as_token_ids)
+                              if req.logprobs else None),
                     finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None,
                 )
             )
+        num_prompt_logprobs = serving.num_logprobs(req.prompt_logprobs, "prompt_logprobs")
         response = ChatCompletionResponse(
             id=request_id, created=created, model=serving.model_name, choices=choices,
             usage=serving.usage([prompt], results, num_completion_tokens),
+            prompt_logprobs=(None if num_prompt_logprobs is None
+                             else prompt_logprobs_out(prompt_entries(prompt, results[0]), num_prompt_logprobs)),
+            prompt_token_ids=prompt.token_ids if req.return_token_ids else None,
         )
         return json_response(response)
+
+    def _top_k(self, req: ChatCompletionRequest) -> int:
+        """The alternatives per token `top_logprobs` asks for (-1: the vocabulary), within --max-logprobs."""
+        return self.serving.num_logprobs(req.top_logprobs, "top_logprobs") or 0
+
+    def tool_call_reader(self, tools: _Tools, request_id: str, index: int) -> ToolCallReader:
+        """Sample `index`'s reader of the stream `start_streams(request_id, ...)` started."""
+        return ToolCallReader(GuardedToolCallStream(self.tool_parser().streaming(), tools.max_calls),
+                              lambda: self.serving.stop_sample(request_id, 0, index))
 
     async def admit_prompt(
         self, req: ChatCompletionRequest, request: Request | None = None
@@ -168,10 +235,12 @@ class ChatServing:
         through before its stream starts: its tools, its grammar (compiled here, so a bad one
         is a 400), its sampling params, its queue places, then its rendered prompt's tokens."""
         serving = self.serving
-        tools = _request_tools(req)
+        tools = _request_tools(req, self.max_parallel_tool_calls)
         spec, kind = self._output_constraint(req, tools)
-        top_k = req.top_logprobs or 0
-        params = serving.sampling_params(req, req.output_limit, top_k if req.logprobs else None, structured_output=spec)
+        top_k = self._top_k(req)
+        params = serving.sampling_params(req, req.output_limit, top_k if req.logprobs else None,
+                                         serving.num_logprobs(req.prompt_logprobs, "prompt_logprobs"),
+                                         structured_output=spec)
         await serving.prepare_structured_output(spec, kind)
         admission = serving.admit(req.n, request, req.priority)
         [prompt] = await serving.tokenize(admission, self._tokenize, req, params, tools)
@@ -191,9 +260,9 @@ class ChatServing:
         if spec is not None and tools.choice == "auto":
             # Free text under one grammar, calls under another: one request has one grammar.
             raise InvalidRequestError(
-                "a response format cannot be combined with strict tools under tool_choice 'auto'; drop one, "
-                "or set tool_choice to 'required' or a function",
-                param="response_format",
+                f"an output constraint ({spec.param or 'response_format'}) cannot be combined with strict tools under "
+                "tool_choice 'auto'; drop one, or set tool_choice to 'required' or a function",
+                param=spec.param or "response_format",
             )
         # "required" / a named function: the reply is a call, never text in a response format.
         return StructuredOutputSpec.grammar(grammar, param="tools"), "tools"
@@ -208,72 +277,97 @@ class ChatServing:
         )
         if not token_ids:
             raise InvalidRequestError("the messages render to no tokens", param="messages")
+        token_ids = serving.truncate(token_ids, req)
         if params.max_tokens is None:
             params = serving.fit_open_max_tokens(token_ids, params, "messages")
         serving.validate_prompt(token_ids, params, "messages")
         return [PromptInput(token_ids, None, params)]
 
-    def _message(self, c: CompletionOutput, tools: _Tools) -> tuple[ChatResponseMessage, str | None]:
-        """The choice's message and finish reason: tool calls parsed out of the text when
-        the model may call tools (finish_reason "tool_calls" once a call completed)."""
-        if not tools.active:
+    def _message(self, c: CompletionOutput, reader: ToolCallReader | None) -> tuple[ChatResponseMessage, str | None]:
+        """The choice's message and finish reason: the tool calls `reader` read out of the
+        text when the model may call tools (finish_reason "tool_calls" once a call completed)."""
+        if reader is None:
             return ChatResponseMessage(content=c.text), c.finish_reason
-        parsed = self.tool_parser().parse(c.text)
+        parsed = collect_deltas(reader.deltas)
         if not parsed.calls:
             return ChatResponseMessage(content=parsed.content or ""), c.finish_reason
-        return _calls_message(parsed), "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return _calls_message(parsed), reader.finish_reason(c.finish_reason)
 
     async def _stream(
         self, req: ChatCompletionRequest, tools: _Tools, request_id: str, created: int, prompt: PromptInput,
-        stream: AsyncIterator[tuple[int, RequestOutput]],
+        stream: AsyncIterator[tuple[int, RequestOutput]], readers: list[ToolCallReader] | None,
     ) -> AsyncIterator[bytes]:
         serving = self.serving
-        top_k = req.top_logprobs or 0
+        top_k = self._top_k(req)
         hidden_ids = serving.hidden_ids(req)
+        as_token_ids = serving.as_token_ids(req)
         num_logprobs_sent = [0] * req.n
+        num_token_ids_sent = [0] * req.n
         num_tokens = [0] * req.n
-        # Per choice: the tool-call parser's stream, and whether a call came out of it.
-        parsers = [self.tool_parser().streaming() for _ in range(req.n)] if tools.active else None
-        made_calls = [False] * req.n
+        finished = [False] * req.n  # the choice's finish chunk went out
         result = PromptResult()
 
-        def chunk(index: int, delta: dict[str, Any], logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
+        def chunk(index: int, delta: dict[str, Any], logprobs=None, finish_reason=None, stop_reason=None,
+                  token_ids=None, prompt_token_ids=None) -> bytes:
             return sse_event(
                 ChatCompletionStreamResponse(
                     id=request_id, created=created, model=serving.model_name,
-                    choices=[ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                              finish_reason=finish_reason, stop_reason=stop_reason)],
+                    choices=[ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                              stop_reason=stop_reason, token_ids=token_ids)],
+                    prompt_token_ids=prompt_token_ids,
+                    # vLLM's continuous_usage_stats: this choice's tokens so far, on every chunk.
+                    usage=(serving.chunk_usage(len(prompt.token_ids), num_tokens[index])
+                           if req.continuous_usage else None),
                 )
             )
 
-        def text_chunks(index: int, text: str, finished: bool, logprobs) -> list[bytes]:
-            """The chunks for new text: plain content, or the tool parser's deltas."""
-            if parsers is None:
-                return [chunk(index, {"content": text}, logprobs)] if text or logprobs is not None else []
-            deltas = parsers[index].feed(text) + (parsers[index].finish() if finished else [])
-            out = [chunk(index, _stream_delta(d), logprobs if i == 0 else None) for i, d in enumerate(deltas)]
-            made_calls[index] |= any(isinstance(d, ToolCallDelta) for d in deltas)
-            if not out and logprobs is not None:
-                out.append(chunk(index, {"content": ""}, logprobs))
+        def text_chunks(index: int, c: CompletionOutput, logprobs, token_ids) -> list[bytes]:
+            """The chunks for new text: plain content, or the tool parser's deltas; the step's
+            logprobs and token ids go with the first."""
+            if readers is None:
+                text = c.delta_text
+                if not (text or logprobs is not None or token_ids):
+                    return []
+                return [chunk(index, {"content": text}, logprobs, token_ids=token_ids)]
+            deltas = readers[index].read(c)
+            out = [chunk(index, _stream_delta(d), logprobs if i == 0 else None, token_ids=token_ids if i == 0 else None)
+                   for i, d in enumerate(deltas)]
+            if not out and (logprobs is not None or token_ids):
+                out.append(chunk(index, {"content": ""}, logprobs, token_ids=token_ids))
             return out
 
         for index in range(req.n):
-            yield chunk(index, {"role": "assistant", "content": ""})
+            # As vLLM: the prompt's token ids in the stream's first chunk.
+            yield chunk(index, {"role": "assistant", "content": ""},
+                        prompt_token_ids=prompt.token_ids if req.return_token_ids and index == 0 else None)
+        if echo_prefix := chat_echo_prefix(req):
+            for index in range(req.n):
+                yield chunk(index, {"content": echo_prefix})
         async with aclosing(stream):
             async for _, out in stream:
                 result.update(out)
                 for c in out.outputs:
                     num_tokens[c.index] = len(c.token_ids)
-                    logprobs = None
+                    if finished[c.index]:  # the guard ended its list; the stop is on its way
+                        continue
+                    logprobs = token_ids = None
                     if req.logprobs:
                         new = new_logprobs(c, num_logprobs_sent[c.index])
                         num_logprobs_sent[c.index] += len(new)
                         if new:
-                            logprobs = chat_logprobs(new, top_k, hidden_ids)
-                    for event in text_chunks(c.index, c.delta_text, c.finish_reason is not None, logprobs):
+                            logprobs = chat_logprobs(new, top_k, hidden_ids, as_token_ids)
+                    if req.return_token_ids:
+                        token_ids = list(c.token_ids[num_token_ids_sent[c.index]:])
+                        num_token_ids_sent[c.index] = len(c.token_ids)
+                    for event in text_chunks(c.index, c, logprobs, token_ids):
                         yield event
-                    if c.finish_reason is not None:
-                        reason = "tool_calls" if made_calls[c.index] and c.finish_reason == "stop" else c.finish_reason
+                    reader = readers[c.index] if readers is not None else None
+                    if reader is not None and reader.ended:  # before the engine's own end
+                        finished[c.index] = True
+                        yield chunk(c.index, {}, None, "tool_calls")
+                    elif c.finish_reason is not None:
+                        finished[c.index] = True
+                        reason = reader.finish_reason(c.finish_reason) if reader is not None else c.finish_reason
                         yield chunk(c.index, {}, None, reason, c.stop_reason)
         if req.include_usage:
             yield sse_event(
@@ -284,13 +378,22 @@ class ChatServing:
             )
 
 
-def _request_tools(req: ChatCompletionRequest) -> _Tools:
-    tools = req.effective_tools
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as plain OpenAI dicts (with `strict`), as the prompt shows them: the chat
+    route and /tokenize (server/serving_tokenize.py) render the same tokens from them."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
+
+
+def _request_tools(req: ChatCompletionRequest, max_parallel_calls: int) -> _Tools:
     choice = req.effective_tool_choice
+    parallel = req.effective_parallel_tool_calls
     return _Tools(
-        tools=[{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools] if tools else None,
+        tools=template_tools(req.effective_tools),
         choice=choice if isinstance(choice, str) else choice.model_dump(),
-        parallel=req.effective_parallel_tool_calls,
+        parallel=parallel,
+        max_calls=max_parallel_calls if parallel else 1,
     )
 
 

@@ -4,7 +4,9 @@ With `echo` the prompt's text goes in front of each choice's text; with `echo` a
 `logprobs` the prompt tokens' logprobs (computed by the engine as `prompt_logprobs`) go in
 front of the generated ones - what perplexity / lm-eval clients send, usually with
 `max_tokens: 0`. Streamed, the echoed prompt and its logprobs go in each choice's first
-chunk.
+chunk. vLLM's `prompt_logprobs` come from the same engine computation, in vLLM's shape on
+each choice; `return_token_ids` adds `prompt_token_ids` and `token_ids` to each choice (and
+chunk); `truncate_prompt_tokens` keeps each prompt's last tokens (server/protocol_vllm.py).
 
 `best_of` (> n): each prompt runs `best_of` samples through the engine's usual `n` fan-out
 (sample j seeded `seed + j`, as for `n`), with the sampled tokens' logprobs asked for
@@ -36,17 +38,20 @@ from server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionStreamChoice,
     CompletionStreamResponse,
     completion_logprobs,
     echo_logprobs,
     structured_output_spec,
 )
+from server.protocol_vllm import prompt_logprobs_out, top_entries, truncate_prompt
 from server.serving import (
     OpenAIServing,
     PromptInput,
     PromptResult,
     json_response,
     new_logprobs,
+    prompt_entries,
     read_request,
     sse_event,
     sse_response,
@@ -60,6 +65,8 @@ class _ChoiceStream:
     started: bool = False
     """Its first chunk (which carries the echo) went out."""
     num_logprobs_sent: int = 0
+    num_token_ids_sent: int = 0
+    """Output token ids sent (`return_token_ids`)."""
     text_offset: int = 0
     num_tokens: int = 0
     held_text: str = ""
@@ -79,22 +86,30 @@ class CompletionServing:
         serving.check_model(req.model)
         if req.max_tokens == 0 and not req.echo:
             raise InvalidRequestError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
-        prompt_logprobs = req.logprobs if req.echo else None
+        num_logprobs = serving.num_logprobs(req.logprobs, "logprobs")
+        num_prompt_logprobs = serving.num_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        # The engine computes the prompt's logprobs once, with the most alternatives echo
+        # (logprobs) or prompt_logprobs asks for; each is cut to its own count.
+        prompt_ks = [k for k in (num_logprobs if req.echo else None, num_prompt_logprobs) if k is not None]
         spec = structured_output_spec(req)
-        params = serving.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs, structured_output=spec)
+        params = serving.sampling_params(req, req.max_tokens, num_logprobs, max(prompt_ks, default=None),
+                                         structured_output=spec)
         samples = req.samples_per_prompt
+        if samples > req.n and req.use_beam_search:
+            raise InvalidRequestError("best_of cannot be used with use_beam_search (n is the beam width)", param="best_of")
         if samples > req.n:
             self._check_best_of(req, samples)
             # best_of: every sample's own token logprobs rank it (the first entry of each dict).
-            params = dataclasses.replace(params, n=samples, logprobs=req.logprobs or 0)
+            params = dataclasses.replace(params, n=samples, logprobs=num_logprobs or 0)
         await serving.prepare_structured_output(spec)
         admission = serving.admit(len(req.prompts) * samples, request, req.priority)
-        prompts = await serving.tokenize(admission, self._tokenize, req.prompts, req.echo, params)
+        prompts = await serving.tokenize(admission, self._tokenize, req.prompts, req.echo, params, req.truncate_prompt_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         stream = serving.start_streams(request_id, prompts, req.cache_salt, admission, arrival, "completions")
+        as_token_ids = serving.as_token_ids(req)
         if req.stream:
-            events = self._stream(req, request_id, created, prompts, stream)
+            events = self._stream(req, request_id, created, prompts, stream, as_token_ids)
             return sse_response(serving.sse_events(events), admission)
         try:
             finals, results = await serving.until_disconnected(request, serving.collect(stream, len(prompts), samples))
@@ -109,8 +124,10 @@ class CompletionServing:
             for rank, c in enumerate(outputs):
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs, offset = _echoed_logprobs(prompt, results[i]) if req.echo else (None, 0)
-                    logprobs, _ = completion_logprobs(c.logprobs or [], offset, hidden_ids, into=logprobs)
+                    logprobs, offset = (_echoed_logprobs(prompt, results[i], num_logprobs, as_token_ids) if req.echo
+                                        else (None, 0))
+                    logprobs, _ = completion_logprobs(c.logprobs or [], offset, hidden_ids, into=logprobs,
+                                                      as_token_ids=as_token_ids)
                 choices.append(
                     CompletionChoice(
                         index=i * req.n + rank,
@@ -118,6 +135,10 @@ class CompletionServing:
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=(None if num_prompt_logprobs is None
+                                         else prompt_logprobs_out(prompt_entries(prompt, results[i]), num_prompt_logprobs)),
+                        prompt_token_ids=prompt.token_ids if req.return_token_ids else None,
+                        token_ids=list(c.token_ids) if req.return_token_ids else None,
                     )
                 )
         response = CompletionResponse(
@@ -139,7 +160,10 @@ class CompletionServing:
                 param="best_of",
             )
 
-    def _tokenize(self, tokenizer: Any, raw: list[str | list[int]], echo: bool, params: SamplingParams) -> list[PromptInput]:
+    def _tokenize(
+        self, tokenizer: Any, raw: list[str | list[int]], echo: bool, params: SamplingParams,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PromptInput]:
         serving = self.serving
         prompts = []
         for i, prompt in enumerate(raw):
@@ -147,10 +171,14 @@ class CompletionServing:
             if isinstance(prompt, str):
                 token_ids, text = tokenizer.encode(prompt), prompt
             else:
-                token_ids = list(prompt)
+                token_ids, text = list(prompt), None
                 if max(token_ids) >= serving.vocab_size:
                     raise InvalidRequestError(f"{where}: token ids must be in [0, {serving.vocab_size})", param="prompt")
-                text = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) if echo else None
+            kept = truncate_prompt(token_ids, truncate_prompt_tokens, serving.max_model_len)
+            if echo and (text is None or len(kept) < len(token_ids)):
+                # The echo shows what the model saw: the kept tokens.
+                text = tokenizer.decode(kept, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            token_ids = kept
             if not token_ids:
                 raise InvalidRequestError(f"{where} is empty: it tokenizes to no tokens", param="prompt")
             prompt_params = params if params.max_tokens is not None else serving.fit_open_max_tokens(token_ids, params, "prompt")
@@ -163,10 +191,13 @@ class CompletionServing:
 
     async def _stream(
         self, req: CompletionRequest, request_id: str, created: int, prompts: list[PromptInput],
-        stream: AsyncIterator[tuple[int, RequestOutput]],
+        stream: AsyncIterator[tuple[int, RequestOutput]], as_token_ids: bool | None = None,
     ) -> AsyncIterator[bytes]:
+        """`as_token_ids`: logprob tokens as `token_id:N` (none: as the request says)."""
         serving = self.serving
         n = req.n
+        if as_token_ids is None:
+            as_token_ids = bool(req.return_tokens_as_token_ids)
         choices = [_ChoiceStream() for _ in range(len(prompts) * n)]
         results = [PromptResult() for _ in prompts]
         hidden_ids = serving.hidden_ids(req)
@@ -178,24 +209,35 @@ class CompletionServing:
             choice = choices[i * n + c.index]
             text, choice.held_text, choice.held = choice.held_text, "", None
             logprobs: CompletionLogprobs | None = None
+            prompt_token_ids = token_ids = None
             if not choice.started:
                 choice.started = True
                 if req.echo:
                     text = (prompts[i].text or "") + text
                 if needs_prompt_logprobs:
-                    logprobs, choice.text_offset = _echoed_logprobs(prompts[i], results[i])
+                    logprobs, choice.text_offset = _echoed_logprobs(prompts[i], results[i], req.logprobs, as_token_ids)
+                if req.return_token_ids:
+                    prompt_token_ids = prompts[i].token_ids
             if req.logprobs is not None:
                 new = new_logprobs(c, choice.num_logprobs_sent)
                 choice.num_logprobs_sent += len(new)
                 if new:
-                    logprobs, choice.text_offset = completion_logprobs(new, choice.text_offset, hidden_ids, into=logprobs)
-            if not text and logprobs is None and c.finish_reason is None:
+                    logprobs, choice.text_offset = completion_logprobs(new, choice.text_offset, hidden_ids, into=logprobs,
+                                                                       as_token_ids=as_token_ids)
+            if req.return_token_ids:
+                token_ids = list(c.token_ids[choice.num_token_ids_sent:])
+                choice.num_token_ids_sent = len(c.token_ids)
+            if not text and logprobs is None and c.finish_reason is None and not token_ids and prompt_token_ids is None:
                 return None
             return sse_event(
                 CompletionStreamResponse(
                     id=request_id, created=created, model=serving.model_name,
-                    choices=[CompletionChoice(index=i * n + c.index, text=text, logprobs=logprobs,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                    choices=[CompletionStreamChoice(index=i * n + c.index, text=text, logprobs=logprobs,
+                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                    prompt_token_ids=prompt_token_ids, token_ids=token_ids)],
+                    # vLLM's continuous_usage_stats: this choice's tokens so far, on every chunk.
+                    usage=(serving.chunk_usage(len(prompts[i].token_ids), len(c.token_ids))
+                           if req.continuous_usage else None),
                 )
             )
 
@@ -236,11 +278,13 @@ def _best(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
     return sorted(outputs, key=cumulative_logprob, reverse=True)[:n]
 
 
-def _echoed_logprobs(prompt: PromptInput, result: PromptResult) -> tuple[CompletionLogprobs, int]:
-    """The prompt's logprob entries for an echo, and the text offset after them."""
-    entries = result.prompt_logprobs
-    if entries is None or len(entries) != len(prompt.token_ids) or prompt.first_token is None:
-        # Misaligned entries would pair logprobs with the wrong tokens: fail loudly instead.
-        got = "none" if entries is None else len(entries)
-        raise InternalServerError(f"the engine returned {got} prompt logprobs for {len(prompt.token_ids)} prompt tokens")
-    return echo_logprobs(prompt.first_token, entries)
+def _echoed_logprobs(
+    prompt: PromptInput, result: PromptResult, k: int, as_token_ids: bool = False
+) -> tuple[CompletionLogprobs, int]:
+    """The prompt's logprob entries for an echo with `logprobs: k`, and the text offset after them."""
+    entries = prompt_entries(prompt, result)
+    if prompt.first_token is None:
+        raise InternalServerError("the prompt's first token was not decoded for its echo")
+    # The engine may have computed more alternatives (for prompt_logprobs): the echo shows k.
+    trimmed = [None, *(top_entries(e, k) for e in entries[1:])]
+    return echo_logprobs(prompt.first_token, trimmed, prompt.token_ids[0], as_token_ids)

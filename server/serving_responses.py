@@ -47,7 +47,7 @@ from server.protocol_responses import (
 )
 from server.response_store import ANONYMOUS, ResponseStore, StoredResponse
 from server.serving import OpenAIServing, PromptInput, PromptResult, read_request, sse_response
-from server.serving_chat import ChatServing
+from server.serving_chat import ChatServing, ToolCallReader
 from server.tools import ContentDelta, ToolCallDelta
 
 ENDPOINT = "responses"
@@ -202,26 +202,28 @@ class ResponsesServing:
         response_id = new_id("resp")
         response = response_object(req, response_id, serving.model_name)
         stream = serving.start_streams(response_id, [prompt], None, admission, arrival, ENDPOINT)
-        parser = self.chat.tool_parser().streaming() if tools.active else None
+        reader = self.chat.tool_call_reader(tools, response_id, 0) if tools.active else None
         record = (req, owner, conversation)
         if req.stream:
-            events = self._stream(response, record, prompt, parser, stream)
+            events = self._stream(response, record, prompt, reader, stream)
             return sse_response(serving.sse_events(events, done=b"", error_event=_error_event), admission)
+        on_output = (lambda _, c: reader.read(c)) if reader is not None else None
         try:
-            finals, results = await serving.until_disconnected(request, serving.collect(stream, 1, 1))
+            finals, results = await serving.until_disconnected(request, serving.collect(stream, 1, 1, on_output))
         finally:
             admission.release_all()
         c = finals[0][0]
-        output = _Output(always_message=parser is None)
-        output.feed(_deltas(parser, c.text, True))
-        items = output.finish(c.finish_reason)
-        response = finish(response, c.finish_reason, items, self._usage(prompt, results[0], c))
+        output = _Output(always_message=reader is None)
+        output.feed(reader.deltas if reader is not None else [ContentDelta(c.text)] if c.text else [])
+        finish_reason = _finish_reason(reader, c)
+        items = output.finish(finish_reason)
+        response = finish(response, finish_reason, items, self._usage(prompt, results[0], c))
         self._keep(response, record)
         return JSONResponse(response)
 
     async def _stream(
         self, response: dict[str, Any], record: tuple[ResponsesRequest, str, list[dict[str, Any]]],
-        prompt: PromptInput, parser: Any, stream: AsyncIterator[tuple[int, RequestOutput]],
+        prompt: PromptInput, reader: ToolCallReader | None, stream: AsyncIterator[tuple[int, RequestOutput]],
     ) -> AsyncIterator[bytes]:
         sequence = iter(range(1 << 62))
 
@@ -231,7 +233,7 @@ class ResponsesServing:
 
         yield event({"type": "response.created", "response": response})
         yield event({"type": "response.in_progress", "response": response})
-        output = _Output(always_message=parser is None)
+        output = _Output(always_message=reader is None)
         result = PromptResult()
         last: CompletionOutput | None = None
         try:
@@ -240,7 +242,7 @@ class ResponsesServing:
                     result.update(out)
                     for c in out.outputs:
                         last = c
-                        output.feed(_deltas(parser, c.delta_text, c.finish_reason is not None))
+                        output.feed(_deltas(reader, c))
                     for body in output.take_events():
                         yield event(body)
         except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
@@ -250,10 +252,11 @@ class ResponsesServing:
             yield event({"type": "response.failed", "response": failed})
             return
         assert last is not None  # an engine stream that ends has a final output
-        items = output.finish(last.finish_reason)
+        finish_reason = _finish_reason(reader, last)
+        items = output.finish(finish_reason)
         for body in output.take_events():
             yield event(body)
-        final = finish(response, last.finish_reason, items, self._usage(prompt, result, last))
+        final = finish(response, finish_reason, items, self._usage(prompt, result, last))
         self._keep(final, record)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(final["status"],
                                                                                           "response.failed")
@@ -284,11 +287,17 @@ class ResponsesServing:
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-def _deltas(parser: Any, text: str, finished: bool) -> list[ContentDelta | ToolCallDelta]:
-    """New text as parser deltas (plain content when the reply is not parsed for calls)."""
-    if parser is None:
-        return [ContentDelta(text)] if text else []
-    return parser.feed(text) + (parser.finish() if finished else [])
+def _deltas(reader: ToolCallReader | None, c: CompletionOutput) -> list[ContentDelta | ToolCallDelta]:
+    """`c`'s new text as deltas: the tool-call reader's, or plain content without tools."""
+    if reader is None:
+        return [ContentDelta(c.delta_text)] if c.delta_text else []
+    return reader.read(c)
+
+
+def _finish_reason(reader: ToolCallReader | None, c: CompletionOutput) -> str | None:
+    """The engine's reason, except that a list the duplicate-call guard ended is complete:
+    "stop" (status "completed") even when max_output_tokens came in the steps after it."""
+    return "stop" if reader is not None and reader.ended else c.finish_reason
 
 
 def _error_event(exc: BaseException) -> bytes:

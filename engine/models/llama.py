@@ -110,13 +110,17 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv_runs(x):
-            return bf16_linear(x, self.weight, self.bias)
+            return bf16_linear(x, self.weight, self.bias, self.gemv_max_rows >= ALL_ROWS)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
 
 
-def prepack_linears(model: nn.Module) -> tuple[int, int]:
+# `Linear.gemv_max_rows` for a linear whose every call runs the C++ kernel (batch-invariant mode).
+ALL_ROWS = 2**62
+
+
+def prepack_linears(model: nn.Module, batch_invariant: bool = False) -> tuple[int, int]:
     """Give every float `Linear` of a model whose weights will no longer change (the
     serving runtime, not calibration, sharding or quantization, which read the dense
     weight) its oneDNN-packed weight, and drop the dense one: each weight is held once.
@@ -135,7 +139,12 @@ def prepack_linears(model: nn.Module) -> tuple[int, int]:
     dense table exists anyway). One copy would cost one of the two: the dense weight
     through F.linear is 1.2-2x slower than packed at 4-32 rows, and the GEMV is only level
     with oneDNN at 4-8 rows (docs/BENCHMARKS.md). `PAGODA_CPU_GEMV=0` keeps one copy.
-    Returns how many were packed (none off the CPU: `pack_weight` takes CPU weights only)
+
+    With `batch_invariant` (`--batch-invariant`) such bf16 linears are not packed at all:
+    every call, at any row count, runs the C++ kernel (its GEMV up to 8 rows, its
+    register-blocked GEMM above, one per-output arithmetic: kernels/csrc/cpu_kernels.cpp),
+    so a row's outputs do not depend on how many rows share the call, and each weight is
+    held once. Returns how many were packed (none off the CPU: `pack_weight` takes CPU weights only)
     and how many of those keep a dense weight because it is shared."""
     # By storage, not by Parameter: tensor parallelism re-wraps the tied table's data.
     shared = {
@@ -147,6 +156,11 @@ def prepack_linears(model: nn.Module) -> tuple[int, int]:
     for module in model.modules():
         if not isinstance(module, Linear) or module.weight is None:
             continue
+        if batch_invariant and gemv_takes(module.weight, module.bias):
+            gemv = gemv_enabled() if gemv is None else gemv
+            if gemv:
+                module.gemv_max_rows = ALL_ROWS  # the dense weight only, through the C++ kernel
+                continue
         module.packed = pack_weight(module.weight)
         if module.packed is None:
             continue
@@ -253,7 +267,7 @@ class MLP(nn.Module):
                 and down.gemv_max_rows and gate_up.bias is None and down.bias is None):
             # Decode rows in bf16 where both linears run the GEMV: the whole MLP in one C++
             # call (same rounding as the eager ops below, without their per-op overhead).
-            return bf16_silu_mlp(x, gate_up.weight, down.weight)
+            return bf16_silu_mlp(x, gate_up.weight, down.weight, gate_up.gemv_max_rows >= ALL_ROWS)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -299,9 +313,10 @@ class FusedDecodeLayers:
     the head dim one the C++ attention's bf16 loops take, and the C++ kernels built with
     AVX512-BF16. `PAGODA_CPU_FUSED_DECODE=0` turns it off (the per-op path, for A/B runs)."""
 
-    def __init__(self, model: "LlamaForCausalLM", max_rows: int) -> None:
+    def __init__(self, model: "LlamaForCausalLM", max_rows: int, batch_invariant: bool = False) -> None:
         args = model.args
         self.max_rows = max_rows
+        self.batch_invariant = batch_invariant  # attention's route, as the per-op forward's ops take it
         self.num_heads, self.num_kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.scale = args.attention_scale
         self.eps = args.rms_norm_eps
@@ -342,7 +357,7 @@ class FusedDecodeLayers:
             self.kinds.append(-1)
 
     @classmethod
-    def build(cls, model: "LlamaForCausalLM") -> "FusedDecodeLayers | None":
+    def build(cls, model: "LlamaForCausalLM", batch_invariant: bool = False) -> "FusedDecodeLayers | None":
         if os.environ.get("PAGODA_CPU_FUSED_DECODE", "1") == "0" or not cpu_kernels.bf16_gemv_available():
             return None
         args = model.args
@@ -369,7 +384,7 @@ class FusedDecodeLayers:
                     return None
                 if type(linear) is Linear:
                     max_rows = min(max_rows, linear.gemv_max_rows)
-        return cls(model, max_rows)
+        return cls(model, min(max_rows, GEMV_MAX_ROWS), batch_invariant)
 
     def runs(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: KernelOps) -> bool:
         """Whether this step's layers go through the C++ call: a few rows (tokens) on the C++
@@ -390,7 +405,7 @@ class FusedDecodeLayers:
             input_ids.contiguous(), self.embedding, self.tensors, self.kinds, caches, self.windows,
             *self.rope.tables(), positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, self.num_heads, self.num_kv_heads, self.scale, self.eps, self.final_norm,
-            meta.logits_indices, self.lm_head if logits else None,
+            meta.logits_indices, self.lm_head if logits else None, invariant=self.batch_invariant,
         )
 
 

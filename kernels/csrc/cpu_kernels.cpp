@@ -356,6 +356,77 @@ inline int64_t item_row(int64_t q_start, int64_t i0, int64_t r, int64_t g, int64
   return (q_start + i0 + r / g) * H + kvh * g + r % g;
 }
 
+// The key rows of one KV head for keys [k0, k0 + count) into L2, all at once: the rows lie
+// scattered over the cache in blocks, between the other heads' rows, and the hardware
+// prefetcher does not follow them.
+inline void prefetch_key_rows(const uint16_t* kb, const int32_t* table, int64_t BS, int64_t row_stride,
+                              int64_t head_offset, int64_t k0, int64_t count, int64_t lines) {
+  if (count <= 0) return;
+  KeyCursor all(kb, table, BS, row_stride, head_offset, k0);
+  for (int64_t k = 0; k < count; ++k) {
+    for (int64_t c = 0; c < lines; ++c) _mm_prefetch(reinterpret_cast<const char*>(all.row() + 32 * c), _MM_HINT_T1);
+    if (k + 1 < count) all.next();
+  }
+}
+
+// The scores of 16 keys (rows kp[0..16)) for query rows [0, rows) (q_row(r): row r's bf16
+// query): per key an HD/32-long vdpbf16ps chain on the query and key as stored (exact
+// products, float32 sums), the 16 keys' lanes summed together (sum16), times the scale;
+// row r's into s[r * stride, + 16).
+template <int64_t HD, typename QRow>
+inline void score_16_keys(const QRow& q_row, int64_t rows, const uint16_t* const* kp, float* s, int64_t stride,
+                          __m512 vscale) {
+  constexpr int64_t NQ = HD / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* qr = q_row(r);
+    __m512bh qv[NQ];
+    for (int64_t c = 0; c < NQ; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+    __m512 dots[16];
+    for (int t = 0; t < 16; ++t) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < NQ; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kp[t] + 32 * c));
+      dots[t] = a;
+    }
+    _mm512_storeu_ps(s + r * stride, _mm512_mul_ps(sum16(dots), vscale));
+  }
+}
+
+// The weighted sums of the values of keys [lo, lo + n) of one KV head for query rows
+// [0, rows), weights w[r * stride + k]: kTile rows' float32 accumulators (HD/16 vectors
+// each) in registers, one FMA chain per dimension in key order, each value row converted
+// bf16 -> float once per tile; then done(r, acc) with row r's HD/16 vectors.
+template <int64_t HD, typename Done>
+inline void weigh_values(const float* w, int64_t stride, int64_t rows, int64_t n, const uint16_t* vb,
+                         const int32_t* table, int64_t BS, int64_t row_stride, int64_t head_offset, int64_t lo,
+                         const Done& done) {
+  constexpr int64_t NV = HD / 16;
+  constexpr int64_t kTile = HD >= 256 ? 1 : 256 / HD;  // kTile * NV = 16 accumulators
+  constexpr int64_t kLines = HD * 2 / 64;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t rt = std::min(kTile, rows - r0);
+    __m512 acc[kTile][NV];
+    for (int64_t r = 0; r < kTile; ++r)
+      for (int64_t c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+    KeyCursor values(vb, table, BS, row_stride, head_offset, lo);
+    for (int64_t k = 0; k < n; ++k) {
+      const uint16_t* vr = values.row();
+      if (k + 1 < n) values.next();
+      for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(values.row() + 32 * c), _MM_HINT_T0);
+      __m512 vf[NV];
+      for (int64_t c = 0; c < NV; ++c)
+        vf[c] = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * c))), 16));
+      for (int64_t r = 0; r < kTile; ++r) {
+        if (r < rt) {
+          const __m512 wk = _mm512_set1_ps(w[(r0 + r) * stride + k]);
+          for (int64_t c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(wk, vf[c], acc[r][c]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < rt; ++r) done(r0 + r, acc[r]);
+  }
+}
+
 // One work item (as attend_item) of bf16 attention with few query rows: a decode (the KV
 // head's group of query heads) or a short chunk. attend_item's one online-softmax pass per
 // block spends most of its time on per-key horizontal sums and per-block rescaling; here
@@ -375,9 +446,7 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
                       int64_t kvh, int64_t H, int64_t Hkv, int64_t BS, float scale, int64_t window,
                       std::vector<float>& scratch, int64_t key0 = 0, int64_t key_count = -1, float* partial = nullptr) {
   static_assert(HD % 32 == 0, "head dim: a multiple of 32");
-  constexpr int64_t NQ = HD / 32;                              // bf16 vectors per row
-  constexpr int64_t NV = HD / 16;                              // float vectors per row
-  constexpr int64_t kTile = HD >= 256 ? 1 : 256 / HD;          // kTile * NV = 16 accumulators
+  constexpr int64_t NV = HD / 16;  // float vectors per row
   const int64_t g = H / Hkv;
   const int64_t rows = (i1 - i0) * g;
   const int64_t first_pos = ctx - q_len;  // position of new token 0
@@ -404,14 +473,7 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(kc);
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(vc);
   constexpr int64_t kLines = HD * 2 / 64;  // cache lines per row
-  {
-    KeyCursor all(kb, table, BS, row_stride, kvh * HD, lo);
-    const int64_t m = std::min<int64_t>(n, kPrefetchKeys);
-    for (int64_t k = 0; k < m; ++k) {
-      for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(all.row() + 32 * c), _MM_HINT_T1);
-      if (k + 1 < m) all.next();
-    }
-  }
+  prefetch_key_rows(kb, table, BS, row_stride, kvh * HD, lo, std::min<int64_t>(n, kPrefetchKeys), kLines);
   KeyCursor keys(kb, table, BS, row_stride, kvh * HD, lo, n);
   const uint16_t* kp[16];  // padding: scores past n are never read
   const uint16_t* kn[16];
@@ -422,18 +484,7 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(kn[t] + 32 * c), _MM_HINT_T0);
     for (int64_t t = 0; t < nk; ++t)
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(vb + (kp[t] - kb) + 32 * c), _MM_HINT_T1);
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* qr = q_row(r);
-      __m512bh qv[NQ];
-      for (int64_t c = 0; c < NQ; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
-      __m512 dots[16];
-      for (int t = 0; t < 16; ++t) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t c = 0; c < NQ; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kp[t] + 32 * c));
-        dots[t] = a;
-      }
-      _mm512_storeu_ps(s + r * stride + k0, _mm512_mul_ps(sum16(dots), vscale));
-    }
+    score_16_keys<HD>(q_row, rows, kp, s + k0, stride, vscale);
     std::copy(kn, kn + 16, kp);
     nk = nn;
   }
@@ -459,40 +510,19 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
       partial[r * (HD + 2) + HD + 1] = sum;
     }
   }
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const int64_t rt = std::min(kTile, rows - r0);
-    __m512 acc[kTile][NV];
-    for (int64_t r = 0; r < kTile; ++r)
-      for (int64_t c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
-    KeyCursor values(vb, table, BS, row_stride, kvh * HD, lo);
-    for (int64_t k = 0; k < n; ++k) {
-      const uint16_t* vr = values.row();
-      if (k + 1 < n) values.next();
-      for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(values.row() + 32 * c), _MM_HINT_T0);
-      __m512 vf[NV];
-      for (int64_t c = 0; c < NV; ++c)
-        vf[c] = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * c))), 16));
-      for (int64_t r = 0; r < kTile; ++r) {
-        if (r < rt) {
-          const __m512 w = _mm512_set1_ps(s[(r0 + r) * stride + k]);
-          for (int64_t c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(w, vf[c], acc[r][c]);
-        }
-      }
+  weigh_values<HD>(s, stride, rows, n, vb, table, BS, row_stride, kvh * HD, lo, [&](int64_t r, const __m512* acc) {
+    if (partial) {  // a part: its unnormalised sums
+      for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(partial + r * (HD + 2) + 16 * c, acc[c]);
+      return;
     }
-    for (int64_t r = 0; r < rt && partial; ++r) {  // a part: its unnormalised sums
-      for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(partial + (r0 + r) * (HD + 2) + 16 * c, acc[r][c]);
+    uint16_t* o = reinterpret_cast<uint16_t*>(out) + (q_row(r) - qb);  // same index as the query row
+    const __m512 iv = _mm512_set1_ps(inv[r]);
+    for (int64_t c = 0; c < NV; ++c) {
+      alignas(64) float x[16];
+      _mm512_store_ps(x, _mm512_mul_ps(acc[c], iv));
+      for (int d = 0; d < 16; ++d) o[16 * c + d] = bf16_bits(x[d]);
     }
-    for (int64_t r = 0; r < rt && !partial; ++r) {
-      uint16_t* o = reinterpret_cast<uint16_t*>(out) + (q_row(r0 + r) - qb);  // same index as the query row
-      const __m512 iv = _mm512_set1_ps(inv[r0 + r]);
-      for (int64_t c = 0; c < NV; ++c) {
-        alignas(64) float x[16];
-        _mm512_store_ps(x, _mm512_mul_ps(acc[r][c], iv));
-        for (int d = 0; d < 16; ++d) o[16 * c + d] = bf16_bits(x[d]);
-      }
-    }
-  }
+  });
 }
 
 // 2^x for x <= 0 on 16 lanes: exp_nonpositive's polynomial, by hand (the blocked loop's
@@ -798,18 +828,205 @@ bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, con
 }
 #endif
 
+// ---------------------------------------------------------------------------------------
+// Batch-, chunk- and cache-invariant bf16 attention (the default route: `key_part` > 0).
+// A query row's output is one fixed function of its query, its keys and values, and their
+// absolute positions, whatever else the step holds: how many sequences, how long its chunk
+// is, which of its keys came from the prefix cache or an earlier chunk, how many threads.
+// So a request's tokens do not depend on the server's load (docs/ARCHITECTURE.md, "Same
+// request, same tokens"). That function:
+//  - the keys are cut into parts at fixed absolute positions [j P, (j + 1) P) (P =
+//    key_part, a multiple of 16), and within a part into groups of 16 at absolute
+//    positions too;
+//  - a key's score: the bf16 query and key as stored, HD/32 vdpbf16ps in one chain, the 16
+//    lanes summed by sum16's tree for the key's group, times the scale;
+//  - per part, the row's maximum score m_j over its keys there, e = 2^((s - m_j) log2 e)
+//    (exp2_nonpositive16), the sum l_j of e in 16 lanes by key position mod 16 over the
+//    part's groups in order, then _mm512_reduce_add_ps; the weighted values acc_j: one
+//    float32 FMA chain per dimension over the part's keys in position order;
+//  - the parts merged in order: M the largest m_j of the parts holding a key of the row,
+//    out = sum_j acc_j e^(m_j - M) / sum_j l_j e^(m_j - M), rounded to bf16 once.
+// Keys a row does not see (after it, or before its window) are computed and then weighted
+// by exactly 0, which adds nothing to any sum; so rows sharing a work item with other rows
+// get the bits they would get alone. Work items (a sequence's tokens [i0, i1) and one KV
+// head) and their parts are what the threads share, so a batch-1 decode still spreads over
+// every thread; how items are cut changes no result.
+#if defined(__AVX512BF16__)
+struct PartWork {
+  int64_t item, key_lo, key_hi, offset;  // absolute key range [key_lo, key_hi); partials at offset
+};
+
+// One item's part: the keys [key_lo, key_hi) (key_lo a multiple of 16 or the part's start)
+// for query tokens [i0, i1) of the chunk of q_len new tokens at the end of ctx; writes each
+// row's acc [HD], m, l to partial (rows x (HD + 2) floats; l = 0 where no key is the row's).
+template <int64_t HD>
+void attend_part_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
+                      int64_t ctx, int64_t q_len, int64_t i0, int64_t i1, int64_t q_start, int64_t kvh, int64_t H,
+                      int64_t Hkv, int64_t BS, float scale, int64_t window, int64_t key_lo, int64_t key_hi,
+                      float* partial, std::vector<float>& scratch) {
+  static_assert(HD % 32 == 0, "head dim: a multiple of 32");
+  constexpr int64_t NV = HD / 16;
+  constexpr int64_t kLines = HD * 2 / 64;
+  const int64_t g = H / Hkv, rows = (i1 - i0) * g, first_pos = ctx - q_len;
+  const int64_t n = key_hi - key_lo, stride = (n + 15) / 16 * 16;
+  scratch.resize(rows * stride);
+  float* s = scratch.data();  // [rows][stride]: scores, then weights
+  const int64_t row_stride = Hkv * HD;
+  const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(kc);
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(vc);
+  auto q_row = [&](int64_t r) { return qb + item_row(q_start, i0, r, g, H, kvh) * HD; };
+  const __m512 vscale = _mm512_set1_ps(scale);
+  prefetch_key_rows(kb, table, BS, row_stride, kvh * HD, key_lo, n, kLines);
+  KeyCursor keys(kb, table, BS, row_stride, kvh * HD, key_lo, n);
+  const uint16_t* kp[16];
+  for (int64_t k0 = 0; k0 < n; k0 += 16) {
+    keys.take(kp, 16);  // slots past the part's last key repeat it (their scores are never used)
+    for (int64_t t = 0; t < 16; ++t)
+      for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(vb + (kp[t] - kb) + 32 * c), _MM_HINT_T1);
+    score_16_keys<HD>(q_row, rows, kp, s + k0, stride, vscale);
+  }
+  const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    // This row's keys: p - window < k <= p, as indices into the part's scores.
+    const int64_t p = first_pos + i0 + r / g;
+    const int64_t a = std::max<int64_t>(0, (window > 0 ? p - window + 1 : 0) - key_lo);
+    const int64_t b = std::min<int64_t>(n, p + 1 - key_lo);
+    float* sr = s + r * stride;
+    float* pr = partial + r * (HD + 2);
+    if (a >= b) {  // none of the part's keys is this row's
+      for (int64_t c = 0; c < HD + 2; ++c) pr[c] = 0.f;
+      continue;
+    }
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t k = a; k < b; ++k) m = std::max(m, sr[k]);
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < stride; k0 += 16) {
+      const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0)));
+      const __mmask16 in = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(static_cast<int>(a))) &
+                           _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(static_cast<int>(b)));
+      const __m512 e = _mm512_maskz_mov_ps(
+          in, exp2_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, sr + k0), vm), log2e)));
+      _mm512_storeu_ps(sr + k0, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    pr[HD] = m;
+    pr[HD + 1] = _mm512_reduce_add_ps(sum);
+  }
+  weigh_values<HD>(s, stride, rows, n, vb, table, BS, row_stride, kvh * HD, key_lo, [&](int64_t r, const __m512* acc) {
+    float* pr = partial + r * (HD + 2);
+    if (!(pr[HD + 1] > 0.f)) return;  // zeroed above
+    for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(pr + 16 * c, acc[c]);
+  });
+}
+
+// The invariant route for a step's bf16 chunks (see above): items of up to `q_chunk` query
+// tokens per KV head, their parts at multiples of key_part, parts on the threads, then each
+// item's rows merged.
+template <int64_t HD>
+void attention_invariant(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                         const int32_t* tables, int64_t max_blocks, c10::BFloat16* o, const int32_t* lens,
+                         const int32_t* qsl, int64_t S, int64_t H, int64_t Hkv, int64_t BS, double scale,
+                         int64_t window, int64_t q_chunk, int64_t key_part) {
+  const int64_t g = H / Hkv;
+  std::vector<Item> items;
+  std::vector<PartWork> parts;
+  std::vector<int64_t> first_part;  // items[i]'s parts: [first_part[i], first_part[i + 1])
+  int64_t floats = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s], ctx = lens[s];
+    for (int64_t i0 = 0; i0 < q_len; i0 += q_chunk) {
+      const int64_t i1 = std::min(q_len, i0 + q_chunk);
+      const ItemKeys keys = item_keys(ctx, q_len, i0, i1, window);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        first_part.push_back(static_cast<int64_t>(parts.size()));
+        const int64_t it = static_cast<int64_t>(items.size());
+        items.push_back({s, h, h + 1, i0, i1, 0, false});
+        const int64_t end = keys.lo + keys.n;
+        for (int64_t j0 = keys.lo / key_part * key_part; j0 < end; j0 += key_part) {
+          const int64_t lo = std::max(j0, keys.lo / 16 * 16), hi = std::min(end, j0 + key_part);
+          parts.push_back({it, lo, hi, floats});
+          floats += (i1 - i0) * g * (HD + 2);
+        }
+      }
+    }
+  }
+  first_part.push_back(static_cast<int64_t>(parts.size()));
+  std::vector<float> partials(floats);
+  const int64_t n_parts = static_cast<int64_t>(parts.size()), n_items = static_cast<int64_t>(items.size());
+  const float sc = static_cast<float>(scale);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_parts)));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_parts; ++i) {
+      const PartWork& pt = parts[i];
+      const Item& w = items[pt.item];
+      attend_part_bf16<HD>(q, kc, vc, tables + w.seq * max_blocks, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0, w.i1,
+                           qsl[w.seq], w.h0, H, Hkv, BS, sc, window, pt.key_lo, pt.key_hi,
+                           partials.data() + pt.offset, scratch);
+    }
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& w = items[it];
+      const int64_t rows = (w.i1 - w.i0) * g, q_start = qsl[w.seq];
+      uint16_t* ob = reinterpret_cast<uint16_t*>(o);
+      for (int64_t r = 0; r < rows; ++r) {
+        float big = -std::numeric_limits<float>::infinity();
+        for (int64_t j = first_part[it]; j < first_part[it + 1]; ++j) {
+          const float* pr = partials.data() + parts[j].offset + r * (HD + 2);
+          if (pr[HD + 1] > 0.f) big = std::max(big, pr[HD]);
+        }
+        float total = 0.f;
+        float acc[HD] = {};
+        for (int64_t j = first_part[it]; j < first_part[it + 1]; ++j) {
+          const float* pr = partials.data() + parts[j].offset + r * (HD + 2);
+          if (!(pr[HD + 1] > 0.f)) continue;  // no key of this part is the row's
+          const float f = std::exp(pr[HD] - big);
+          total += pr[HD + 1] * f;
+          for (int64_t d = 0; d < HD; ++d) acc[d] += pr[d] * f;
+        }
+        const float inv = 1.f / total;
+        uint16_t* dst = ob + item_row(q_start, w.i0, r, g, H, w.h0) * HD;
+        for (int64_t d = 0; d < HD; ++d) dst[d] = bf16_bits(acc[d] * inv);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 void paged_attention_impl(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                           const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                           const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
                           int64_t window, int64_t q_chunk, int64_t skip_over, int64_t few_rows,
-                          int64_t block_over) {
+                          int64_t block_over, int64_t key_part) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), Hkv = key_cache.size(2);
   const int64_t S = seq_lens.size(0), max_blocks = block_tables.size(1);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (key_part > 0 && S > 0) {  // the invariant route (attention_invariant): every chunk, decode or prefill
+      TORCH_CHECK(key_part % 16 == 0 && q_chunk > 0, "paged_attention: key_part a positive multiple of 16 expected");
+      const auto* qp = query.data_ptr<c10::BFloat16>();
+      const auto* kp = key_cache.data_ptr<c10::BFloat16>();
+      const auto* vp = value_cache.data_ptr<c10::BFloat16>();
+      auto* op = out.data_ptr<c10::BFloat16>();
+#define PAGODA_INVARIANT(HD) \
+  attention_invariant<HD>(qp, kp, vp, tables, max_blocks, op, lens, qsl, S, H, Hkv, BS, scale, window, q_chunk, key_part)
+      if (D == 64) { PAGODA_INVARIANT(64); return; }
+      if (D == 128) { PAGODA_INVARIANT(128); return; }
+      if (D == 256) { PAGODA_INVARIANT(256); return; }
+#undef PAGODA_INVARIANT
+    }
+  }
+#endif
   // A chunk of more than skip_over new tokens (skip_over > 0) is the caller's (torch's
   // flash kernel: float32).
   auto skipped = [&](int64_t q_len) { return skip_over > 0 && q_len > skip_over; };
@@ -923,7 +1140,7 @@ void paged_attention(const torch::Tensor& out, const torch::Tensor& query, const
                      const torch::Tensor& value_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                      const torch::Tensor& query_start_loc, double scale,
                      int64_t sliding_window, int64_t q_chunk, int64_t skip_over, int64_t few_rows,
-                     int64_t block_over) {
+                     int64_t block_over, int64_t key_part) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous(),
               "paged_attention: contiguous query, caches and out expected");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -934,10 +1151,10 @@ void paged_attention(const torch::Tensor& out, const torch::Tensor& query, const
   auto bt = block_tables.contiguous();
   if (query.scalar_type() == at::kFloat) {
     paged_attention_impl<float>(out, query, key_cache, value_cache, bt, seq_lens, query_start_loc, scale,
-                                sliding_window, q_chunk, skip_over, few_rows, block_over);
+                                sliding_window, q_chunk, skip_over, few_rows, block_over, key_part);
   } else if (query.scalar_type() == at::kBFloat16) {
     paged_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, bt, seq_lens, query_start_loc, scale,
-                                        sliding_window, q_chunk, skip_over, few_rows, block_over);
+                                        sliding_window, q_chunk, skip_over, few_rows, block_over, key_part);
   } else {
     TORCH_CHECK(false, "paged_attention: float32 or bfloat16 expected, got ", query.scalar_type());
   }
@@ -1091,14 +1308,16 @@ namespace {
 //
 // Each thread takes a contiguous range of output rows, so its part of W is one contiguous
 // stretch, and reads it strictly in order: row after row, 64 bf16 (two vdpbf16ps per x
-// row, into two accumulators so the chain is not latency-bound) at a time. One sequential
+// row) at a time; the next row's chain is independent, so out-of-order execution overlaps
+// the rows' latencies. One sequential
 // stream is what the hardware prefetcher follows best: reading R rows side by side (R
 // streams, K apart) measured at half the rate (~11 vs ~25 GB/s on one core), the same as
 // oneDNN's. x's rows (tiny, L1-resident) are loaded as vectors. The R rows' accumulators
 // are reduced horizontally together at the end of the group (`reduce4`). 5-8 x rows (a
 // speculative verification chunk, a decode batch of up to 8): every x row against one W
-// row at a time (`gemv_wide`), W read once. More than 8: blocks of up to 4 per group of W
-// rows, the later blocks reading them from L1.
+// row at a time (`gemv_wide`), W read once. More than 8 (prefill chunks, larger decode
+// batches): register-blocked GEMM tiles (`gemm_tile`) with the same per-output arithmetic,
+// so a row's outputs are the same bits at any row count (batch invariance, below).
 // K need not be a multiple of 32: the tail is a masked load of W and x (zeros add nothing).
 // vdpbf16ps multiplies bf16 pairs exactly and sums in float32; each output is rounded
 // to bf16 once, after the bias add in float.
@@ -1119,6 +1338,111 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Batch invariance: every output of every bf16 linear, whatever the row count and
+// whichever loop below computes it, is the same function of its x row and W row, so a
+// row's result does not depend on the other rows of the call (docs/ARCHITECTURE.md,
+// "Same request, same tokens"). That function: the products of K's 32-element chunks
+// summed in one float32 chain, chunk after chunk in K order (vdpbf16ps: the pair products
+// are exact, each add rounded to nearest even), a partial last chunk masked (zeros add
+// nothing); the 16 lanes summed by reduce4's tree; the bias added in float; rounded to
+// bf16 once (bf16_bits, nearest even). The GEMV loops (a weight stream, few rows) and
+// the register-blocked GEMM tiles (many rows) differ only in which outputs they keep in
+// registers together.
+
+// bf16_bits on four lanes.
+inline __m128i bf16_bits4(__m128 v) {
+  const __m128i u = _mm_castps_si128(v);
+  const __m128i rounded = _mm_srli_epi32(
+      _mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1))), 16);
+  const __m128i quiet = _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40));
+  const __mmask8 nan = _mm_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm_mask_mov_epi32(rounded, nan, quiet);  // 32-bit lanes holding the bf16 bits
+}
+
+// The last steps of the function above for R <= 4 outputs of one x row: acc[r] the chain
+// of output r, b[r] its bias as float; y[0, R) the outputs.
+template <int R>
+inline void store_outputs(const __m512* acc, const float* b, uint16_t* y) {
+  static_assert(R >= 1 && R <= 4, "store_outputs: 1 to 4 outputs");
+  const __m512 z = _mm512_setzero_ps();
+  const __m128 sums = reduce4(acc[0], R > 1 ? acc[1 % R] : z, R > 2 ? acc[2 % R] : z, R > 3 ? acc[3 % R] : z);
+  alignas(16) float bb[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int r = 0; r < R; ++r) bb[r] = b[r];
+  const __m128i bits = bf16_bits4(_mm_add_ps(sums, _mm_load_ps(bb)));
+  const __m128i packed = _mm_packus_epi32(bits, bits);  // the four 16-bit results in the low 64 bits
+  if constexpr (R == 4) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(y), packed);
+  } else {
+    alignas(16) uint16_t t[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(t), packed);
+    for (int r = 0; r < R; ++r) y[r] = t[r];
+  }
+}
+
+// The biases of outputs [n0, n0 + R) as floats (0 without a bias).
+template <int R>
+inline void load_bias(const uint16_t* bias, int64_t n0, float* b) {
+  for (int r = 0; r < R; ++r) {
+    b[r] = 0.f;
+    if (bias) {
+      const uint32_t bits = static_cast<uint32_t>(bias[n0 + r]) << 16;
+      std::memcpy(&b[r], &bits, sizeof(float));
+    }
+  }
+}
+
+inline __mmask32 tail_mask(int64_t left) {
+  return left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << left) - 1);
+}
+
+// Outputs [n0, n0 + NR) of x rows [0, MB) for calls of many rows (prefill chunks, decode
+// batches past 8): MB x NR chains in registers at once (16 at 4 x 4), so each vector of
+// x loaded serves NR outputs and each of W serves MB: a register-blocked GEMM (~0.9-1.1x
+// oneDNN's packed bf16 GEMM on the decoder's shapes: docs/BENCHMARKS.md).
+template <int MB, int NR>
+inline void gemm_tile(const uint16_t* __restrict x, const uint16_t* __restrict w, const uint16_t* __restrict bias,
+                      uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
+  __m512 acc[MB][NR];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  const uint16_t* wr[NR];
+  for (int r = 0; r < NR; ++r) wr[r] = w + (n0 + r) * K;
+  const int64_t K32 = K / 32 * 32;
+  int64_t k = 0;
+  for (; k < K32; k += 32) {
+    __m512bh wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(wr[r] + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = tail_mask(K - k);
+    __m512bh wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[r] + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    }
+  }
+  float b[NR];
+  load_bias<NR>(bias, n0, b);
+  for (int m = 0; m < MB; ++m) store_outputs<NR>(acc[m], b, y + m * N + n0);
+}
+
+// x rows [0, mb) of outputs [n0, n0 + NR), mb in 1..4.
+template <int NR>
+inline void gemm_block(int64_t mb, const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t K,
+                       int64_t N, int64_t n) {
+  switch (mb) {
+    case 1: gemm_tile<1, NR>(x, w, bias, y, K, N, n); break;
+    case 2: gemm_tile<2, NR>(x, w, bias, y, K, N, n); break;
+    case 3: gemm_tile<3, NR>(x, w, bias, y, K, N, n); break;
+    default: gemm_tile<4, NR>(x, w, bias, y, K, N, n); break;
+  }
 }
 
 // Outputs [n0, n0 + R) of x rows [0, MB): the R rows of W read one after the other.
@@ -1203,6 +1527,61 @@ inline void gemv_wide(int64_t mb, const uint16_t* x, const uint16_t* w, const ui
   }
 }
 
+// The invariant GEMV (batch-invariant mode, up to 8 rows): `gemv_rows`' weight stream with
+// the one-chain arithmetic of `store_outputs`. Outputs [n0, n0 + R) of x rows [0, MB).
+template <int MB, int R>
+inline void inv_gemv_rows(const uint16_t* __restrict x, const uint16_t* __restrict w, const uint16_t* __restrict bias,
+                      uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
+  __m512 acc[MB][R];
+  const int64_t K64 = K / 64 * 64;
+  for (int r = 0; r < R; ++r) {
+    const uint16_t* row = w + (n0 + r) * K;
+    for (int m = 0; m < MB; ++m) acc[m][r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < K64; k += 64) {
+      // The hardware prefetcher alone keeps too few lines in flight, and stops at each 4 KB
+      // page. With several x rows (a line takes longer to consume) prefetch into L1 4 KB
+      // ahead (measured faster at 2-4 rows in a noisy single-thread run). With one row,
+      // into L2 8 KB ahead: the 30 layers' GEMVs of SmolLM2 streamed 5-8% faster in an
+      // alternating A/B over three runs (prefetching into L1, or not at all, was slower).
+      if (MB > 1) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchAhead + 32), _MM_HINT_T0);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchL2Ahead), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchL2Ahead + 32), _MM_HINT_T1);
+      }
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
+      for (int m = 0; m < MB; ++m) {
+        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_loadu_si512(x + m * K + k), w0);
+        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
+      }
+    }
+    for (; k < K; k += 32) {  // at most two chunks of 32, the last maybe partial
+      const __mmask32 mask = tail_mask(K - k);
+      const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k);
+      for (int m = 0; m < MB; ++m)
+        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), w0);
+    }
+  }
+  float b[R];
+  load_bias<R>(bias, n0, b);
+  for (int m = 0; m < MB; ++m) store_outputs<R>(acc[m], b, y + m * N + n0);
+}
+
+// Outputs [n, n + R) of x rows [0, mb), mb in 1..4.
+template <int R>
+inline void inv_gemv_block(int64_t mb, const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t K,
+                       int64_t N, int64_t n) {
+  switch (mb) {
+    case 1: inv_gemv_rows<1, R>(x, w, bias, y, K, N, n); break;
+    case 2: inv_gemv_rows<2, R>(x, w, bias, y, K, N, n); break;
+    case 3: inv_gemv_rows<3, R>(x, w, bias, y, K, N, n); break;
+    default: inv_gemv_rows<4, R>(x, w, bias, y, K, N, n); break;
+  }
+}
+
 // Runs body(n_lo, n_hi) in parallel on each thread's contiguous range of the N output
 // rows, in multiples of 48 rows (whole groups of four); never more threads than ranges.
 // Each thread's part of W is then one sequential stretch (see the comment above).
@@ -1218,8 +1597,57 @@ inline void for_each_thread_rows(int64_t N, const Body& body) {
   }
 }
 
+constexpr int64_t kGemmTileRows = 64;  // x rows per pass over a thread's W rows (the x tile stays in L2)
+
+// Batch-invariant mode: every row count through loops with the one-chain arithmetic.
+void bf16_invariant_impl(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
+                         int64_t N) {
+  if (M > 8) {  // many rows: the register-blocked GEMM (same outputs as the weight stream below)
+    for_each_thread_rows(N, [&](int64_t n_lo, int64_t n_hi) {
+      for (int64_t m0 = 0; m0 < M; m0 += kGemmTileRows) {
+        const int64_t m1 = std::min(M, m0 + kGemmTileRows);
+        int64_t n = n_lo;
+        for (; n + 4 <= n_hi; n += 4) {
+          // The next four W rows (one contiguous stretch) into L1 while these are used:
+          // the first x rows' tile would otherwise wait on memory for them.
+          const char* next = reinterpret_cast<const char*>(w + std::min(n + 8, n_hi - 4) * K);
+          const int64_t lines = 4 * K * 2 / 64, blocks = (m1 - m0 + 3) / 4;
+          int64_t done = 0, b = 0;
+          for (int64_t m = m0; m < m1; m += 4, ++b) {
+            // The W rows two blocks ahead into L2, spread over this block's tiles.
+            const int64_t upto = lines * (b + 1) / blocks;
+            for (; done < upto; ++done) _mm_prefetch(next + 64 * done, _MM_HINT_T1);
+            gemm_block<4>(std::min<int64_t>(4, m1 - m), x + m * K, w, bias, y + m * N, K, N, n);
+          }
+        }
+        for (; n < n_hi; ++n)
+          for (int64_t m = m0; m < m1; m += 4) gemm_block<1>(std::min<int64_t>(4, m1 - m), x + m * K, w, bias, y + m * N, K, N, n);
+      }
+    });
+    return;
+  }
+  for_each_thread_rows(N, [&](int64_t n_lo, int64_t n_hi) {
+    // Four W rows at a time, and for them every block of up to four x rows: the first
+    // block reads the rows from memory, the next ones find them in L1 (4 rows of K bf16),
+    // so W is streamed once.
+    int64_t n = n_lo;
+    for (; n + 4 <= n_hi; n += 4)
+      for (int64_t m0 = 0; m0 < M; m0 += 4)
+        inv_gemv_block<4>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
+    for (; n < n_hi; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += 4)
+        inv_gemv_block<1>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
+  });
+}
+
+// `invariant`: batch-invariant mode (bf16_invariant_impl); otherwise the weight stream below,
+// for up to a few rows (the engine sends more to oneDNN).
 void bf16_gemv_impl(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
-                    int64_t N) {
+                    int64_t N, bool invariant = false) {
+  if (invariant) {
+    bf16_invariant_impl(x, w, bias, y, M, K, N);
+    return;
+  }
   for_each_thread_rows(N, [&](int64_t n_lo, int64_t n_hi) {
     // Four W rows at a time (their 4 x 4 accumulators, the x-row block's second-chunk
     // chains, two W vectors and an x vector fit in the 32 zmm registers), and for them
@@ -1332,8 +1760,9 @@ constexpr bool kHaveBf16Gemv = false;
 bool has_bf16_gemv() { return kHaveBf16Gemv; }
 
 // out [M, N] = x [M, K] @ weight [N, K]^T + bias [N], all bfloat16 and contiguous.
+// `invariant`: the batch-invariant loops (any M; see store_outputs), else the GEMV (few rows).
 void bf16_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
-               const c10::optional<torch::Tensor>& bias) {
+               const c10::optional<torch::Tensor>& bias, bool invariant) {
   TORCH_CHECK(kHaveBf16Gemv, "bf16_gemv: this build has no AVX512-BF16 (the CPU lacks it)");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "bf16_gemv: 2-D x, weight and out expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
@@ -1351,7 +1780,7 @@ void bf16_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Te
 #if defined(__AVX512BF16__)
   if (M == 0 || N == 0) return;
   bf16_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
-                 b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N);
+                 b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, invariant);
 #endif
 }
 
@@ -1386,6 +1815,7 @@ namespace {
 // batches, so only the few-row fused MLP uses it, where a row's 1-2k elements take a few
 // microseconds against the ~50 us of eager-op overhead the fusion saves).
 void silu_mul_rows(const uint16_t* gate_up, uint16_t* h, int64_t M, int64_t I) {
+#pragma omp parallel for schedule(static) if (M * I >= 32768)
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* g = gate_up + m * 2 * I;
     const uint16_t* u = g + I;
@@ -1411,7 +1841,7 @@ void silu_mul_rows(const uint16_t* gate_up, uint16_t* h, int64_t M, int64_t I) {
 // three eager ops (split, silu, mul) saves their Python and dispatch at decode, where a
 // layer's ops each cost more in overhead than in arithmetic.
 void bf16_silu_mlp(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate_up_weight,
-                   const torch::Tensor& down_weight) {
+                   const torch::Tensor& down_weight, bool invariant) {
   TORCH_CHECK(kHaveBf16Gemv, "bf16_silu_mlp: this build has no AVX512-BF16 (the CPU lacks it)");
   for (const torch::Tensor* t : {&out, &x, &gate_up_weight, &down_weight}) {
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
@@ -1425,10 +1855,11 @@ void bf16_silu_mlp(const torch::Tensor& out, const torch::Tensor& x, const torch
   if (M == 0) return;
   std::vector<uint16_t> gate_up(M * 2 * I), h(M * I);
   bf16_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()),
-                 reinterpret_cast<const uint16_t*>(gate_up_weight.data_ptr()), nullptr, gate_up.data(), M, K, 2 * I);
+                 reinterpret_cast<const uint16_t*>(gate_up_weight.data_ptr()), nullptr, gate_up.data(), M, K, 2 * I,
+                 invariant);
   silu_mul_rows(gate_up.data(), h.data(), M, I);
   bf16_gemv_impl(h.data(), reinterpret_cast<const uint16_t*>(down_weight.data_ptr()), nullptr,
-                 reinterpret_cast<uint16_t*>(out.data_ptr()), M, I, N);
+                 reinterpret_cast<uint16_t*>(out.data_ptr()), M, I, N, invariant);
 #endif
 }
 
@@ -1445,6 +1876,7 @@ struct DecodeLinear {
   const torch::Tensor* bias;
   const torch::Tensor* scales;
   int64_t kind;
+  bool invariant;  // kind 0: the batch-invariant loops (as the per-op forward's `Linear` in that mode)
 
   int64_t out_features() const { return weight->size(0); }
   int64_t in_features() const { return kind > 0 ? weight->size(1) * 2 : weight->size(1); }
@@ -1473,7 +1905,7 @@ struct DecodeLinear {
 #if defined(__AVX512BF16__)
       bf16_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(weight->data_ptr()),
                      bias->numel() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
-                     reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), out_features());
+                     reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), out_features(), invariant);
 #endif
       return out;
     }
@@ -1524,7 +1956,7 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
                                  const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                  const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
                                  int64_t num_heads, int64_t num_kv_heads, double scale, double eps, int64_t q_chunk,
-                                 int64_t few_rows, int64_t block_over, const torch::Tensor& final_norm,
+                                 int64_t few_rows, int64_t block_over, int64_t key_part, const torch::Tensor& final_norm,
                                  const torch::Tensor& out_rows, const torch::Tensor& lm_head) {
   constexpr size_t kPerLayer = 14;
   const size_t L = windows.size();
@@ -1555,6 +1987,7 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     TORCH_CHECK(out_row[r] >= 0 && out_row[r] < M, "bf16_decode_layers: out_rows index ", out_row[r], " not in [0, ", M, ")");
   }
   const bool logits = lm_head.numel() > 0;
+  const bool invariant = key_part > 0;  // batch-invariant mode: its linears' loops too
   TORCH_CHECK(!logits || (kHaveBf16Gemv && lm_head.dim() == 2 && lm_head.scalar_type() == at::kBFloat16 &&
                           lm_head.is_contiguous() && lm_head.size(1) == hidden),
               "bf16_decode_layers: an LM head is a contiguous bfloat16 [vocab, hidden] (and needs the GEMV)");
@@ -1562,7 +1995,7 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     const torch::Tensor* t = &layer_tensors[kPerLayer * l + (i < 2 ? 1 + 3 * i : 8 + 3 * (i - 2))];
     const int64_t kind = kinds[4 * l + i];
     TORCH_CHECK(kind > 0 || kHaveBf16Gemv, "bf16_decode_layers: this build has no AVX512-BF16 GEMV (bf16 and int8 linears)");
-    return DecodeLinear{t, t + 1, t + 2, kind};
+    return DecodeLinear{t, t + 1, t + 2, kind, invariant};
   };
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* t = &layer_tensors[kPerLayer * l];
@@ -1610,13 +2043,13 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     torch::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({M, H, D});
     torch::Tensor o = torch::empty_like(q);
     paged_attention_impl<c10::BFloat16>(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc,
-                                        scale, windows[l], q_chunk, /*skip_over=*/0, few_rows, block_over);
+                                        scale, windows[l], q_chunk, /*skip_over=*/0, few_rows, block_over, key_part);
     torch::Tensor attn = o_proj(o.view({M, H * D}));
     add_rms_norm_impl<c10::BFloat16>(h, x, x, &attn, t[7], eps);
     if (gate_up.kind == 0 && down.kind == 0 && gate_up.bias->numel() == 0 && down.bias->numel() == 0) {
       // Both GEMVs, no biases: the model's bf16_silu_mlp, its SiLU-and-multiply included.
       if (!mlp_out.defined()) mlp_out = torch::empty({M, hidden}, opts);
-      bf16_silu_mlp(mlp_out, h, *gate_up.weight, *down.weight);
+      bf16_silu_mlp(mlp_out, h, *gate_up.weight, *down.weight, invariant);
     } else {
       // The model's eager `down(F.silu(gate) * up)`, through the same ATen ops.
       torch::Tensor gu = gate_up(h);
@@ -1632,7 +2065,7 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
   if (!logits) return out;
   // The head as the model's GEMV `Linear` computes it (bf16 out), widened as the sampler widens it.
   const torch::Tensor none = torch::empty({0}, opts);
-  return DecodeLinear{&lm_head, &none, &none, 0}(out).to(at::kFloat);
+  return DecodeLinear{&lm_head, &none, &none, 0, invariant}(out).to(at::kFloat);
 }
 
 // The index of each row's largest value, as torch.argmax(dim=-1) gives it: the first

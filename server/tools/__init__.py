@@ -1,7 +1,7 @@
 """OpenAI-style tool calling for /v1/chat/completions: prompts, output parsers, grammars.
 
 Pure logic on plain dicts (the OpenAI request shapes, already validated); the server wires
-it in. Three modules:
+it in. Four modules:
 
 - `prompt` (prompt rendering): `prepare_conversation` gives what to pass to
   `tokenizer.apply_chat_template(conversation, tools=...)`. A template with a tools branch
@@ -20,10 +20,14 @@ it in. Three modules:
   text whose calls are constrained from the moment the model writes `<tool_call>` (a lazy
   lexeme ends the free text at the trigger; llguidance docs/syntax.md, "Tool calling").
 
-`prompt` and `parsers` import nothing from each other; `grammar` builds on `parsers`.
+- `guard` (`GuardedToolCallStream`): a parser's stream whose calls end at the first exact
+  repeat of an earlier call of the same reply, or past a cap on calls per reply.
+
+`prompt` and `parsers` import nothing from each other; `grammar` and `guard` build on `parsers`.
 """
 
 from server.tools.grammar import JSON_FORMAT, tool_call_grammar, validate_tool_choice
+from server.tools.guard import GuardedToolCallStream
 from server.tools.parsers import (
     DEFAULT_TOOL_PARSER,
     END,
@@ -64,6 +68,7 @@ __all__ = [
     "DEFAULT_TOOL_PARSER",
     "DEFAULT_TOOL_SYSTEM_PROMPT",
     "Delta",
+    "GuardedToolCallStream",
     "END",
     "HermesToolParser",
     "IdFactory",

@@ -41,6 +41,39 @@ def test_pack_weight_refuses_what_onednn_does_not_take():
     assert pack_weight(torch.randn(2, 8, 4)) is None
 
 
+def test_bf16_batch_invariant_runner_runs_every_row_count_through_the_cpp_kernel(tmp_path):
+    """bf16 with AVX512-BF16 with `--batch-invariant`: no oneDNN copy, each
+    linear's dense weight through the C++ kernel at every row count, and a row's outputs
+    are the same bits alone as among 1 to 70 rows (GEMV up to 8 rows, GEMM tiles above;
+    K not a multiple of 32, N not of 4), and close to a float64 product."""
+    from transformers import LlamaConfig
+
+    from engine.dummy_model import write_dummy_model_folder
+    from engine.llm import LLM
+    from engine.models.llama import ALL_ROWS, Linear
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.bf16_gemv_available():
+        pytest.skip("the CPU has no AVX512-BF16")
+    config = LlamaConfig(
+        vocab_size=250, hidden_size=80, intermediate_size=150, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    folder = write_dummy_model_folder(tmp_path / "m", config)
+    llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16", kv_cache_memory=0.01, batch_invariant=True)
+    model = llm.engine_core.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is None and m.weight is not None and m.gemv_max_rows == ALL_ROWS for m in linears)
+    g = torch.Generator().manual_seed(0)
+    for m in linears:
+        x = torch.randn(70, m.weight.shape[1], generator=g).bfloat16()
+        alone = torch.cat([m(x[i : i + 1]) for i in range(70)])
+        for rows in (2, 4, 5, 8, 9, 13, 32, 64, 70):
+            assert torch.equal(m(x[:rows]), alone[:rows]), f"{rows} rows"
+        want = F.linear(x.double(), m.weight.double(), None if m.bias is None else m.bias.double())
+        assert torch.allclose(alone.double(), want, rtol=2**-7, atol=1e-3 * float(want.abs().max()))
+
+
 def test_runner_packs_the_models_linears(tmp_path):
     from transformers import LlamaConfig
 
@@ -65,9 +98,10 @@ def test_runner_packs_the_models_linears(tmp_path):
 
 
 def test_bf16_runner_routes_few_rows_to_the_gemv(tmp_path, monkeypatch):
-    """bf16 on a CPU with AVX512-BF16: the linears keep their dense weight for the C++
-    GEMV (up to GEMV_MAX_ROWS rows) beside the packed one; the GEMV's layer outputs equal
-    oneDNN's within bf16 rounding, and greedy decoding gives the same tokens either way."""
+    """bf16 on a CPU with AVX512-BF16 (the default, not batch-invariant): the linears keep their
+    dense weight for the C++ GEMV (up to GEMV_MAX_ROWS rows) beside the packed one; the
+    GEMV's layer outputs equal oneDNN's within bf16 rounding, and greedy decoding gives the
+    same tokens either way."""
     from transformers import LlamaConfig
 
     from engine.dummy_model import write_dummy_model_folder
@@ -83,7 +117,7 @@ def test_bf16_runner_routes_few_rows_to_the_gemv(tmp_path, monkeypatch):
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
     )
     folder = write_dummy_model_folder(tmp_path / "m", config)
-    llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16", kv_cache_memory=0.01)
+    llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16", kv_cache_memory=0.01, batch_invariant=False)
     model = llm.engine_core.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None and m.weight is not None for m in linears)

@@ -38,7 +38,7 @@ def _llm(tmp_path, tied: bool) -> LLM:
     # The bench runs on the GPU, where linears keep their dense weights. On CPU the runtime
     # packs them for oneDNN and drops the dense copies, which the HF copy and the byte
     # count read: run this CPU stand-in unpacked.
-    with mock.patch("engine.worker.prepack_linears", lambda model: (0, 0)):
+    with mock.patch("engine.worker.prepack_linears", lambda model, batch_invariant=False: (0, 0)):
         return _unpacked_llm(path)
 
 

@@ -81,6 +81,33 @@ def test_api_key(auth_url, auth_model, helpers, method, path, body, authorizatio
         assert err["param"] is None
 
 
+@pytest.mark.parametrize("path, headers, status", [
+    ("/v1/completions", {"X-Api-Key": KEY}, 200),
+    ("/completions", {"x-api-key": KEY}, 200),
+    ("/invocations", {"X-Api-Key": KEY}, 200),
+    ("/v1/completions", {"X-Api-Key": "wrong"}, 401),
+    ("/v1/completions", {"X-Api-Key": ""}, 401),
+    # A Bearer key is the one checked when both come.
+    ("/v1/completions", {"Authorization": "Bearer wrong", "X-Api-Key": KEY}, 401),
+    ("/v1/completions", {"Authorization": f"Bearer {KEY}", "X-Api-Key": "wrong"}, 200),
+    ("/completions", {}, 401),
+    ("/chat/completions", {}, 401),
+    ("/invocations", {}, 401),
+], ids=["x_api_key", "x_api_key_lowercase", "x_api_key_invocations", "x_api_key_wrong", "x_api_key_empty",
+        "bearer_wrong_x_api_key_right", "bearer_right_x_api_key_wrong", "alias_no_key", "chat_alias_no_key",
+        "invocations_no_key"])
+def test_x_api_key_and_the_other_routes(auth_url, auth_model, helpers, path, headers, status):
+    body = {**COMPLETION, "model": auth_model} if path != "/chat/completions" else {**CHAT, "model": auth_model}
+    r = httpx.post(f"{auth_url}{path}", json=body, headers=headers, timeout=60)
+    assert r.status_code == status, r.text[:300]
+    if status == 401:
+        assert helpers.assert_error_envelope(r.json())["param"] is None
+
+
+def test_ping_is_open(auth_url):
+    assert httpx.get(f"{auth_url}/ping", timeout=10).status_code == 200
+
+
 def test_openai_client_with_and_without_the_key(auth_url, auth_model):
     wrong = openai.OpenAI(base_url=f"{auth_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -15,12 +15,12 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
-    TokenizeRequest,
     known_fields,
     structured_output_spec,
     unknown_fields,
 )
 from server.serving import parse_request
+from server.serving_tokenize import TokenizeRequest
 
 USER = [{"role": "user", "content": "Hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -246,7 +246,14 @@ def test_noop_fields_accepted(parse):
     (chat, {"metadata": {"k": 1}}, "metadata.k"),
     (chat, {"service_tier": "gold"}, "service_tier"),
     (chat, {"best_of": 2}, "best_of"),
-    (chat, {"echo": True}, "echo"),
+    (chat, {"echo": 1}, "echo"),  # strict: 1 is not true
+    (chat, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM: not streamed
+    (comp, {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+    (comp, {"prompt_logprobs": -2}, "prompt_logprobs"),
+    (chat, {"top_logprobs": -2, "logprobs": True}, "top_logprobs"),
+    (comp, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (chat, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    (comp, {"return_token_ids": "yes"}, "return_token_ids"),
     (chat, {"chat_template": "{{ messages }}"}, "chat_template"),
     (comp, {"tools": [TOOL]}, "tools"),
     (comp, {"tool_choice": "none"}, "tool_choice"),
@@ -255,8 +262,7 @@ def test_noop_fields_accepted(parse):
     (comp, {"parallel_tool_calls": True}, "parallel_tool_calls"),
     (comp, {"messages": USER}, "messages"),
     (comp, {"max_completion_tokens": 4}, "max_completion_tokens"),
-    (comp, {"use_beam_search": True}, "use_beam_search"),
-    (comp, {"length_penalty": 0.5}, "length_penalty"),
+    (comp, {"use_beam_search": 1}, "use_beam_search"),  # strict: 1 is not true
     (comp, {"priority": 5000}, "priority"),  # outside [-1000, 1000]
     (comp, {"suffix": "end"}, "suffix"),
     (comp, {"best_of": 2, "n": 3}, "best_of"),

@@ -54,7 +54,6 @@ REFUSED = {
     "prediction": (chat(prediction={"type": "content", "content": "Hello"}), "prediction"),
     "web_search_options": (chat(web_search_options={}), "web_search_options"),
     "modalities_audio": (chat(modalities=["text", "audio"]), "modalities"),
-    "beam_search": (comp(use_beam_search=True), "use_beam_search"),
     "tools_on_completions": (comp(tools=[TOOL]), "tools"),
     "best_of_on_chat": (chat(best_of=2), "best_of"),
     "best_of_with_stream": (comp(best_of=3, stream=True), "best_of"),

@@ -390,3 +390,22 @@ def test_metrics_are_labelled_by_endpoint(client, model_name, server_url):
     assert grew("pagoda:endpoint_prompt_tokens_total", "chat_completions") == chat.usage.prompt_tokens
     assert grew("pagoda:endpoint_generation_tokens_total", "chat_completions") == chat.usage.completion_tokens
     assert grew("pagoda:endpoint_e2e_request_latency_seconds_count", "responses") == 1
+
+
+def test_endpoint_requests_count_samples_with_the_engine_reasons(client, model_name, server_url, helpers):
+    """`endpoint_requests_total` counts as `request_success_total` does: each sample, with the
+    reason the engine finished it."""
+    helpers.wait_idle(server_url)
+    before, engine_before = endpoint_samples(server_url), helpers.scrape_metrics(server_url)
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hello there"}],
+                                       max_tokens=6, temperature=1.0, seed=3, n=3)
+    after = endpoint_samples(server_url)
+    engine_after = helpers.scrape_metrics(server_url)
+    reasons = [c.finish_reason for c in r.choices]
+    for reason in ("stop", "length", "abort"):
+        key = ("pagoda:endpoint_requests_total", "chat_completions", reason)
+        assert after[key] - before.get(key, 0) == reasons.count(reason), reason
+    success = "pagoda:request_success_total"
+    assert engine_after[success] - engine_before[success] == 3
+    prompt = ("pagoda:endpoint_prompt_tokens_total", "chat_completions")
+    assert after[prompt] - before[prompt] == r.usage.prompt_tokens  # the prompt once, not per sample

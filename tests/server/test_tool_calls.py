@@ -21,6 +21,7 @@ from server.tools import (
     PART,
     TOOL_PARSERS,
     ContentDelta,
+    GuardedToolCallStream,
     HermesToolParser,
     JsonValueScanner,
     Llama3JsonToolParser,
@@ -435,3 +436,60 @@ def test_valid_tool_choice_passes(tools, tool_choice):
 
 def test_tool_call_is_a_plain_value():
     assert ToolCall("f", "{}", "call_1") == ToolCall("f", "{}", "call_1")
+
+
+# --------------------------------------------------------------------------- the duplicate-call guard
+
+def guarded(text: str, max_calls: int = 16, chunks=None):
+    """(calls, content, ended) of `text` through the guard, fed whole or in `chunks`."""
+    stream = GuardedToolCallStream(HermesToolParser(counting_ids()).streaming(), max_calls)
+    deltas = [d for chunk in (chunks or [text]) for d in stream.feed(chunk)] + stream.finish()
+    parsed = collect_deltas(deltas)
+    return [(c.name, c.arguments) for c in parsed.calls], parsed.content, stream.ended
+
+
+PARIS_C = hermes("get_weather", {"city": "Paris", "unit": "C"})
+PARIS_F = hermes("get_weather", {"city": "Paris", "unit": "F"})
+PARIS_C_MORE = hermes("get_weather", {"city": "Paris", "unit": "C", "days": 2})
+TIME = hermes("get_time", {})
+
+
+@pytest.mark.parametrize("blocks, emitted, ended", [
+    ([PARIS_C, PARIS_F, PARIS_C, TIME], [PARIS_C, PARIS_F], True),
+    ([TIME, TIME], [TIME], True),
+    ([PARIS_C, PARIS_F, TIME], [PARIS_C, PARIS_F, TIME], False),
+    ([PARIS_C, PARIS_C_MORE], [PARIS_C, PARIS_C_MORE], False),
+], ids=["third-repeats-first", "second-repeats-first", "no-repeat", "arguments-extending-an-earlier-call"])
+def test_a_repeated_call_ends_the_list_unemitted(blocks, emitted, ended):
+    expected = [(c.name, c.arguments) for block in emitted for c in HermesToolParser().parse(block).calls]
+    calls, _, guard_ended = guarded("\n".join(blocks))
+    assert (calls, guard_ended) == (expected, ended)
+
+
+def test_the_guard_holds_a_possible_repeat_back_for_any_split():
+    text = PARIS_C + "\n" + PARIS_F + "\n" + PARIS_C + "\n" + TIME
+    whole = guarded(text)
+    for chunks in split_runs(text, seed=7):
+        assert guarded(text, chunks=chunks) == whole, chunks
+    # Streamed a character at a time, the repeat's name never goes out.
+    stream = GuardedToolCallStream(HermesToolParser(counting_ids()).streaming(), 16)
+    names = [d.name for ch in text for d in stream.feed(ch) if isinstance(d, ToolCallDelta) and d.name]
+    assert names == ["get_weather", "get_weather"] and stream.ended
+
+
+def test_calls_past_the_cap_end_the_list():
+    text = "\n".join(hermes("get_weather", {"city": city}) for city in ("A", "B", "C"))
+    calls, _, ended = guarded(text, max_calls=2)
+    assert [json.loads(arguments)["city"] for _, arguments in calls] == ["A", "B"] and ended
+    assert guarded(text, max_calls=3)[2] is False
+
+
+def test_a_held_call_cut_short_stands_as_written():
+    calls, _, ended = guarded(PARIS_C + "\n" + PARIS_C[:-len('"}}\n</tool_call>')])
+    assert [name for name, _ in calls] == ["get_weather", "get_weather"] and not ended
+    assert calls[1][1] == '{"city": "Paris", "unit": "C'
+
+
+def test_text_after_the_list_ended_is_dropped():
+    calls, content, ended = guarded("Sure.\n" + TIME + "\n" + TIME + "\nDone.")
+    assert (len(calls), content, ended) == (1, "Sure.", True)

@@ -187,3 +187,45 @@ def test_bad_tool_requests_are_400(server_url, model_name, helpers, body, param)
                    json={"model": model_name, "messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert helpers.assert_error_envelope(r.json())["param"] == param
+
+
+ADD_ASK = [{"role": "user", "content": "What is 2 plus 3?"}]
+
+
+@pytest.mark.parametrize("messages", [ASK, ADD_ASK], ids=["weather", "add"])
+def test_required_parallel_calls_end_at_a_repeat_not_at_max_tokens(client, model_name, messages):
+    """With parallel calls on, the bundled model writes its call again and again; the repeat
+    ends the list (finish_reason "tool_calls", generation stopped) instead of max_tokens."""
+    kw = dict(model=model_name, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=120,
+              temperature=0)
+    whole = client.chat.completions.create(**kw)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert len(set(calls)) == len(calls)
+    _assert_valid_calls(choice.message)
+    assert whole.usage.completion_tokens < 120
+    streamed: dict[int, list[str]] = {}
+    finish = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                call = streamed.setdefault(d.index, ["", ""])
+                call[0] += d.function.name or ""
+                call[1] += d.function.arguments or ""
+            finish += [c.finish_reason] if c.finish_reason else []
+    assert finish == ["tool_calls"]
+    assert [tuple(call) for _, call in sorted(streamed.items())] == calls
+
+
+def test_responses_required_calls_end_at_a_repeat(client, model_name):
+    add = {"type": "function", **ADD["function"]}
+    kw = dict(model=model_name, input=ADD_ASK[0]["content"], tools=[add], tool_choice="required",
+              max_output_tokens=120, temperature=0)
+    r = client.responses.create(**kw)
+    assert r.status == "completed" and r.usage.output_tokens < 120
+    calls = [(o.name, o.arguments) for o in r.output if o.type == "function_call"]
+    assert calls and len(set(calls)) == len(calls)
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()  # raises unless the stream ends with response.completed
+    assert [(o.name, o.arguments) for o in final.output if o.type == "function_call"] == calls
