@@ -148,7 +148,7 @@ def test_speculation_on_vs_off(model):
                                            "prompt_lookup_min": 2, "disable_by_batch_size": None})
     drafts = []
     llm.engine_core.on_step = lambda stats: drafts.append(stats.spec_num_draft_tokens)
-    for kind in ("greedy", "seeded"):
+    for kind in ("greedy",) if model.name == "bundled" else ("greedy", "seeded"):  # CI time
         params = replace(PARAMS[kind], max_tokens=64)
         assert result(llm.generate([model.target], params)[0]) == result(model.engine().generate([model.target], params)[0])
     assert sum(drafts) > 0, "some drafts should be verified (verification chunks of several rows)"
