@@ -157,7 +157,7 @@ class KernelConfig:
     kernel_backend: str = "auto"
     """auto (Triton on CUDA; on CPU the C++ kernels, or the torch reference where they cannot be built), cpu (the C++ kernels), torch (the reference), or triton (on CPU: the Triton interpreter)."""
     batch_invariant: bool = False
-    """Same request, same tokens: on the C++ CPU kernels in bf16, every linear and the attention compute a row the same way whatever else shares the step (batch size, chunk length, prefix-cache hits), so greedy and seeded outputs do not depend on the server's load. Off by default: it costs ~18% of output tok/s at 32 streams (docs/BENCHMARKS.md); off, oneDNN's packed GEMM runs past 8 rows and the attention takes its thread-split and blocked routes, which depend on the batch."""
+    """Same request, same tokens: on the C++ CPU kernels in bf16, every linear and the attention compute a row the same way whatever else shares the step (batch size, chunk length, prefix-cache hits), so greedy and seeded outputs do not depend on the server's load. Off by default: it costs ~12% of output tok/s at 1 stream and ~20% at 32 streams (docs/BENCHMARKS.md); off, oneDNN's packed GEMM runs past 8 rows and the attention takes its thread-split and blocked routes, which depend on the batch."""
 
     def __post_init__(self) -> None:
         if self.kernel_backend not in KERNEL_BACKENDS:

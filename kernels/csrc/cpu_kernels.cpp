@@ -1446,14 +1446,20 @@ inline void gemm_block(int64_t mb, const uint16_t* x, const uint16_t* w, const u
 }
 
 // Outputs [n0, n0 + R) of x rows [0, MB): the R rows of W read one after the other.
-template <int MB, int R>
+// kOneChain (batch-invariant mode): every 32-chunk of K into one float32 chain per output,
+// finished by `store_outputs`, the arithmetic the GEMM tiles share. Otherwise (the default
+// few-row path) each 64-chunk's second half goes into a second, independent chain (half
+// the latency per chunk), the chains added, and the lanes summed by reduce4 for groups of
+// four outputs or _mm512_reduce_add_ps alone: faster at 5-8 rows, but its rounding
+// differs from the tiles', so it serves only calls the GEMM tiles never take.
+template <int MB, int R, bool kOneChain = false>
 inline void gemv_rows(const uint16_t* __restrict x, const uint16_t* __restrict w, const uint16_t* __restrict bias,
                       uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
   __m512 acc[MB][R];
   const int64_t K64 = K / 64 * 64;
   for (int r = 0; r < R; ++r) {
     const uint16_t* row = w + (n0 + r) * K;
-    __m512 odd[MB];  // the second chunk of each 64: an independent chain
+    __m512 odd[MB];  // the second chunk of each 64: an independent chain (two-chain mode)
     for (int m = 0; m < MB; ++m) acc[m][r] = odd[m] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k < K64; k += 64) {
@@ -1473,27 +1479,26 @@ inline void gemv_rows(const uint16_t* __restrict x, const uint16_t* __restrict w
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
       for (int m = 0; m < MB; ++m) {
         acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_loadu_si512(x + m * K + k), w0);
-        odd[m] = _mm512_dpbf16_ps(odd[m], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
+        __m512& second = kOneChain ? acc[m][r] : odd[m];
+        second = _mm512_dpbf16_ps(second, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
       }
     }
     for (; k < K; k += 32) {  // at most two chunks of 32, the last maybe partial
-      const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1);
+      const __mmask32 mask = tail_mask(K - k);
       const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k);
       for (int m = 0; m < MB; ++m)
         acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), w0);
     }
-    for (int m = 0; m < MB; ++m) acc[m][r] = _mm512_add_ps(acc[m][r], odd[m]);
-  }
-  float b[R];
-  for (int r = 0; r < R; ++r) {
-    b[r] = 0.f;
-    if (bias) {
-      const uint32_t bits = static_cast<uint32_t>(bias[n0 + r]) << 16;
-      std::memcpy(&b[r], &bits, sizeof(float));
+    if constexpr (!kOneChain) {
+      for (int m = 0; m < MB; ++m) acc[m][r] = _mm512_add_ps(acc[m][r], odd[m]);
     }
   }
+  float b[R];
+  load_bias<R>(bias, n0, b);
   for (int m = 0; m < MB; ++m) {
-    if constexpr (R == 4) {
+    if constexpr (kOneChain) {
+      store_outputs<R>(acc[m], b, y + m * N + n0);
+    } else if constexpr (R == 4) {
       float s[4];
       _mm_storeu_ps(s, reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
       for (int r = 0; r < 4; ++r) y[m * N + n0 + r] = bf16_bits(s[r] + b[r]);
@@ -1504,14 +1509,14 @@ inline void gemv_rows(const uint16_t* __restrict x, const uint16_t* __restrict w
 }
 
 // Outputs [n, n + R) of x rows [0, mb), mb in 1..4.
-template <int R>
+template <int R, bool kOneChain = false>
 inline void gemv_block(int64_t mb, const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t K,
                        int64_t N, int64_t n) {
   switch (mb) {
-    case 1: gemv_rows<1, R>(x, w, bias, y, K, N, n); break;
-    case 2: gemv_rows<2, R>(x, w, bias, y, K, N, n); break;
-    case 3: gemv_rows<3, R>(x, w, bias, y, K, N, n); break;
-    default: gemv_rows<4, R>(x, w, bias, y, K, N, n); break;
+    case 1: gemv_rows<1, R, kOneChain>(x, w, bias, y, K, N, n); break;
+    case 2: gemv_rows<2, R, kOneChain>(x, w, bias, y, K, N, n); break;
+    case 3: gemv_rows<3, R, kOneChain>(x, w, bias, y, K, N, n); break;
+    default: gemv_rows<4, R, kOneChain>(x, w, bias, y, K, N, n); break;
   }
 }
 
@@ -1524,61 +1529,6 @@ inline void gemv_wide(int64_t mb, const uint16_t* x, const uint16_t* w, const ui
     case 6: gemv_rows<6, 1>(x, w, bias, y, K, N, n); break;
     case 7: gemv_rows<7, 1>(x, w, bias, y, K, N, n); break;
     default: gemv_rows<8, 1>(x, w, bias, y, K, N, n); break;
-  }
-}
-
-// The invariant GEMV (batch-invariant mode, up to 8 rows): `gemv_rows`' weight stream with
-// the one-chain arithmetic of `store_outputs`. Outputs [n0, n0 + R) of x rows [0, MB).
-template <int MB, int R>
-inline void inv_gemv_rows(const uint16_t* __restrict x, const uint16_t* __restrict w, const uint16_t* __restrict bias,
-                      uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
-  __m512 acc[MB][R];
-  const int64_t K64 = K / 64 * 64;
-  for (int r = 0; r < R; ++r) {
-    const uint16_t* row = w + (n0 + r) * K;
-    for (int m = 0; m < MB; ++m) acc[m][r] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k < K64; k += 64) {
-      // The hardware prefetcher alone keeps too few lines in flight, and stops at each 4 KB
-      // page. With several x rows (a line takes longer to consume) prefetch into L1 4 KB
-      // ahead (measured faster at 2-4 rows in a noisy single-thread run). With one row,
-      // into L2 8 KB ahead: the 30 layers' GEMVs of SmolLM2 streamed 5-8% faster in an
-      // alternating A/B over three runs (prefetching into L1, or not at all, was slower).
-      if (MB > 1) {
-        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchAhead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchAhead + 32), _MM_HINT_T0);
-      } else {
-        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchL2Ahead), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchL2Ahead + 32), _MM_HINT_T1);
-      }
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
-      for (int m = 0; m < MB; ++m) {
-        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_loadu_si512(x + m * K + k), w0);
-        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
-      }
-    }
-    for (; k < K; k += 32) {  // at most two chunks of 32, the last maybe partial
-      const __mmask32 mask = tail_mask(K - k);
-      const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k);
-      for (int m = 0; m < MB; ++m)
-        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), w0);
-    }
-  }
-  float b[R];
-  load_bias<R>(bias, n0, b);
-  for (int m = 0; m < MB; ++m) store_outputs<R>(acc[m], b, y + m * N + n0);
-}
-
-// Outputs [n, n + R) of x rows [0, mb), mb in 1..4.
-template <int R>
-inline void inv_gemv_block(int64_t mb, const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t K,
-                       int64_t N, int64_t n) {
-  switch (mb) {
-    case 1: inv_gemv_rows<1, R>(x, w, bias, y, K, N, n); break;
-    case 2: inv_gemv_rows<2, R>(x, w, bias, y, K, N, n); break;
-    case 3: inv_gemv_rows<3, R>(x, w, bias, y, K, N, n); break;
-    default: inv_gemv_rows<4, R>(x, w, bias, y, K, N, n); break;
   }
 }
 
@@ -1633,10 +1583,10 @@ void bf16_invariant_impl(const uint16_t* x, const uint16_t* w, const uint16_t* b
     int64_t n = n_lo;
     for (; n + 4 <= n_hi; n += 4)
       for (int64_t m0 = 0; m0 < M; m0 += 4)
-        inv_gemv_block<4>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
+        gemv_block<4, true>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
     for (; n < n_hi; ++n)
       for (int64_t m0 = 0; m0 < M; m0 += 4)
-        inv_gemv_block<1>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
+        gemv_block<1, true>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
   });
 }
 

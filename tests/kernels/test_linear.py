@@ -41,28 +41,34 @@ def test_pack_weight_refuses_what_onednn_does_not_take():
     assert pack_weight(torch.randn(2, 8, 4)) is None
 
 
+def _bf16_dummy_llm(tmp_path, batch_invariant: bool, **config):
+    """A random-weight bf16 Llama (4 heads, 2 KV heads) through `LLM`, and its `Linear`s;
+    skips where the CPU has no AVX512-BF16 (the C++ kernel's routes are what is tested)."""
+    from transformers import LlamaConfig
+
+    from engine.dummy_model import write_dummy_model_folder
+    from engine.llm import LLM
+    from engine.models.llama import Linear
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.bf16_gemv_available():
+        pytest.skip("the CPU has no AVX512-BF16")
+    folder = write_dummy_model_folder(tmp_path / "m", LlamaConfig(
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **config))
+    llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16", kv_cache_memory=0.01,
+              batch_invariant=batch_invariant)
+    return llm, [m for m in llm.engine_core.model.modules() if isinstance(m, Linear)]
+
+
 def test_bf16_batch_invariant_runner_runs_every_row_count_through_the_cpp_kernel(tmp_path):
     """bf16 with AVX512-BF16 with `--batch-invariant`: no oneDNN copy, each
     linear's dense weight through the C++ kernel at every row count, and a row's outputs
     are the same bits alone as among 1 to 70 rows (GEMV up to 8 rows, GEMM tiles above;
     K not a multiple of 32, N not of 4), and close to a float64 product."""
-    from transformers import LlamaConfig
+    from engine.models.llama import ALL_ROWS
 
-    from engine.dummy_model import write_dummy_model_folder
-    from engine.llm import LLM
-    from engine.models.llama import ALL_ROWS, Linear
-    from kernels import cpu_kernels
-
-    if not cpu_kernels.bf16_gemv_available():
-        pytest.skip("the CPU has no AVX512-BF16")
-    config = LlamaConfig(
-        vocab_size=250, hidden_size=80, intermediate_size=150, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    folder = write_dummy_model_folder(tmp_path / "m", config)
-    llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16", kv_cache_memory=0.01, batch_invariant=True)
-    model = llm.engine_core.model
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    _, linears = _bf16_dummy_llm(tmp_path, batch_invariant=True, vocab_size=250, hidden_size=80,
+                                 intermediate_size=150, num_hidden_layers=1, tie_word_embeddings=False)
     assert linears and all(m.packed is None and m.weight is not None and m.gemv_max_rows == ALL_ROWS for m in linears)
     g = torch.Generator().manual_seed(0)
     for m in linears:
@@ -102,24 +108,10 @@ def test_bf16_runner_routes_few_rows_to_the_gemv(tmp_path, monkeypatch):
     dense weight for the C++ GEMV (up to GEMV_MAX_ROWS rows) beside the packed one; the
     GEMV's layer outputs equal oneDNN's within bf16 rounding, and greedy decoding gives the
     same tokens either way."""
-    from transformers import LlamaConfig
-
-    from engine.dummy_model import write_dummy_model_folder
-    from engine.llm import LLM
-    from engine.models.llama import Linear
-    from kernels import cpu_kernels
     from kernels.linear import GEMV_MAX_ROWS
 
-    if not cpu_kernels.bf16_gemv_available():
-        pytest.skip("the CPU has no AVX512-BF16")
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-    )
-    folder = write_dummy_model_folder(tmp_path / "m", config)
-    llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16", kv_cache_memory=0.01, batch_invariant=False)
-    model = llm.engine_core.model
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    llm, linears = _bf16_dummy_llm(tmp_path, batch_invariant=False, vocab_size=256, hidden_size=64,
+                                   intermediate_size=160, num_hidden_layers=2, tie_word_embeddings=True)
     assert linears and all(m.packed is not None and m.weight is not None for m in linears)
     assert all(m.gemv_max_rows == GEMV_MAX_ROWS for m in linears)
     g = torch.Generator().manual_seed(0)
