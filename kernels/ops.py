@@ -42,9 +42,6 @@ class KernelOps:
     # RoPE in place (qk, cos table, sin table, positions) where the backend has it; None:
     # the model rotates with torch ops, reusing the step's cos/sin lookups across layers.
     rotate_qk_: Callable[..., torch.Tensor] | None = None
-    # Whether attention takes the batch-invariant route where the backend has one (the C++
-    # kernels in bf16): a row's output independent of the step's other rows and chunking.
-    batch_invariant: bool = False
 
 
 def _cpu_ops(batch_invariant: bool) -> KernelOps:
@@ -53,8 +50,9 @@ def _cpu_ops(batch_invariant: bool) -> KernelOps:
     return KernelOps(
         backend="cpu",
         reshape_and_cache=cpu_kernels.reshape_and_cache,
+        # The batch-invariant route in bf16 (a row's output independent of the step's other
+        # rows and chunking) or the default routes.
         paged_attention=functools.partial(cpu_kernels.paged_attention, invariant=batch_invariant),
-        batch_invariant=batch_invariant,
         add_rms_norm=elementwise.cpu_add_rms_norm,
         rotate_qk_=elementwise.cpu_rotate_qk_,
     )

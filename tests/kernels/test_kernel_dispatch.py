@@ -34,7 +34,7 @@ def test_auto_on_cpu_is_the_cpp_kernels() -> None:
         ops = get_ops(backend, torch.device("cpu"))
         assert ops.backend == "cpu"
         assert ops.paged_attention.func is cpu_kernels.paged_attention
-        assert ops.paged_attention.keywords == {"invariant": False} and not ops.batch_invariant
+        assert ops.paged_attention.keywords == {"invariant": False}
         assert ops.reshape_and_cache is cpu_kernels.reshape_and_cache
     assert get_ops("cpu", torch.device("cpu"), batch_invariant=True).paged_attention.keywords == {"invariant": True}
     with pytest.raises(ValueError, match="kernel_backend 'cpu'"):
