@@ -126,6 +126,8 @@ REFUSED_COMMON: Mapping[str, Refusal] = {
     "guided_whitespace_pattern": Refusal("a custom JSON whitespace pattern is not implemented"),
     "kv_transfer_params": Refusal("disaggregated serving is not implemented"),
     "vllm_xargs": Refusal(_NOT_IMPLEMENTED_VLLM),
+    # vLLM names the response (and its engine request) by it; here ids are the server's own.
+    "request_id": Refusal(f"{_NOT_IMPLEMENTED_VLLM} (the response's id is the server's own)"),
     # llama.cpp's own fields (server/protocol_llamacpp.py)
     **{name: Refusal(reason, unused) for name, (reason, unused) in REFUSED_LLAMACPP.items()},
 }
