@@ -31,7 +31,7 @@ serve: setup
 	$(VENV)/bin/pagoda serve $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=30 $(ARGS)
 
 # Every test not marked `slow` (pyproject.toml): the unit tests of the engine, kernels,
 # quantization, load-test and server pieces, on a tiny random model; no test that loads the

@@ -108,6 +108,8 @@ class AsyncEngine:
         self.num_kv_blocks = self.core.num_blocks
         self.facts = self.core.facts()
         """What was loaded and how it runs (EngineCore.facts)."""
+        self.loras = self.core.loras
+        """The LoRA adapter registry (thread-safe; engine/lora.py), None with LoRA off."""
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_tokens = max_waiting_tokens
         self._inbox: queue.SimpleQueue[_Add | _Abort | BaseException | None] = queue.SimpleQueue()
@@ -125,6 +127,9 @@ class AsyncEngine:
         # As seen by asyncio (only the event loop writes them):
         self.num_unfinished = 0
         """Samples added and not yet finished."""
+        self.unfinished_by_tenant: dict[str, int] = {}
+        """Tenant -> its samples added and not yet finished (a server's per-key share of the queue)."""
+        self._tenant_of: dict[str, str] = {}
         self.num_waiting_tokens = 0
         """Prompt tokens of requests that have produced no output yet (queued or in prefill)."""
 
@@ -252,6 +257,9 @@ class AsyncEngine:
             if on_sample_end is not None:
                 self._on_sample_end[child] = (j, on_sample_end)
             self.num_unfinished += 1
+            if tenant is not None:
+                self._tenant_of[child] = tenant
+                self.unfinished_by_tenant[tenant] = self.unfinished_by_tenant.get(tenant, 0) + 1
             fork_of = children[0] if j else None
             params_j = params if params.use_beam_search else child_params(params, j)
             self._inbox.put(_Add(child, list(prompt_token_ids), params_j, cache_salt, fork_of, deadline, queue_deadline,
@@ -295,6 +303,13 @@ class AsyncEngine:
     def _forget(self, child: str) -> None:
         if self._streams.pop(child, None) is not None:
             self.num_unfinished -= 1
+            tenant = self._tenant_of.pop(child, None)
+            if tenant is not None:
+                left = self.unfinished_by_tenant[tenant] - 1
+                if left:
+                    self.unfinished_by_tenant[tenant] = left
+                else:
+                    del self.unfinished_by_tenant[tenant]
 
     def abort(self, request_id: str, n: int = 1) -> None:
         for j in range(n):

@@ -122,7 +122,8 @@ class BeamSearch:
         k = max(self.num_candidates, main.sampling_params.logprobs or 0)
         # A greedy one-token request that reports its top k: its max_tokens (one more than
         # it has) also keeps the speculative proposer away from it.
-        params = SamplingParams(temperature=0.0, max_tokens=None, logprobs=k, prompt_logprobs=prompt_logprobs)
+        params = SamplingParams(temperature=0.0, max_tokens=None, logprobs=k, prompt_logprobs=prompt_logprobs,
+                                lora_request=main.sampling_params.lora_request)  # the search's adapter
         request_id = f"{main.request_id}/beam-{self.step}-{len(self.beams)}"
         request = Request(
             request_id, main.prompt_token_ids, params, None, len(output_token_ids) + 1,

@@ -245,6 +245,42 @@ class SpeculativeConfig:
 
 
 @dataclass(slots=True)
+class LoraConfig:
+    enable_lora: bool = False
+    """Serve LoRA adapters on top of the base weights (engine/lora.py): on by itself when --lora-modules or --allow-runtime-lora-loading is given. Adapters are applied per row group in each step, never merged, so one batch mixes adapters and the base."""
+    lora_modules: dict[str, str] | list[str] = field(default_factory=dict)
+    """PEFT adapters served from start-up, as name=path (each folder holds adapter_config.json and adapter_model.safetensors; q/k/v/o and MLP projections); a request selects one by `model`."""
+    max_loras: int = 4
+    """Adapters resident (on the device) and in one step at once; requests for others wait, and the least recently used resident adapter makes room (logged)."""
+    max_lora_rank: int = 64
+    """Highest adapter rank accepted (at start-up and by /v1/load_lora_adapter)."""
+    allow_runtime_lora_loading: bool = False
+    """Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime adapter API); the paths must lie under a --lora-dir root."""
+    lora_dir: list[str] = field(default_factory=list)
+    """Folders that runtime-loaded adapters must lie under (repeatable); without one, runtime loading refuses every path."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_modules, (list, tuple)):
+            modules: dict[str, str] = {}
+            for item in self.lora_modules:
+                name, sep, path = str(item).partition("=")
+                if not sep or not name or not path:
+                    raise ValueError(f"lora_modules: expected name=path, got {item!r}")
+                if name in modules:
+                    raise ValueError(f"lora_modules: adapter name {name!r} given twice")
+                modules[name] = path
+            self.lora_modules = modules
+        if isinstance(self.lora_dir, str):
+            self.lora_dir = [self.lora_dir]
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.lora_modules or self.allow_runtime_lora_loading:
+            self.enable_lora = True
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -252,6 +288,7 @@ class EngineConfig:
     kernel: KernelConfig = field(default_factory=KernelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> "EngineConfig":
@@ -274,4 +311,5 @@ class EngineConfig:
             kernel=KernelConfig(**sections["kernel"]),
             parallel=ParallelConfig(**sections["parallel"]),
             speculative=SpeculativeConfig(**sections["speculative"]),
+            lora=LoraConfig(**sections["lora"]),
         )

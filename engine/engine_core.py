@@ -20,6 +20,7 @@ from engine.default_model import resolve_model_path
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.executor import TensorParallelError, TensorParallelExecutor
 from engine.loader import load_hf_config, load_tokenizer
+from engine.lora import LoraManager
 from engine.model_runner import ModelRunner
 from engine.models.llama import ModelArgs
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -30,6 +31,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import DraftRow, num_accepted
 from engine.stats import FinishedRequestStats, StepStats
 from engine.structured_output import GrammarError, StepGrammars, default_manager
+from engine.thinking import Thinking
 from engine.worker import Worker
 
 logger = logging.getLogger("pagoda.engine")
@@ -67,6 +69,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, log: bool = True) -> None:
         self.config = config
         mc, cc = config.model, config.cache
+        if config.lora.enable_lora and config.parallel.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with --tensor-parallel-size > 1")
         self.model_path = resolve_model_path(mc.model)
         self.tokenizer = load_tokenizer(self.model_path)
         # Tensor parallelism: the worker ranks start here; rank 0's Worker holds its shard.
@@ -103,6 +107,12 @@ class EngineCore:
             forward_step=self.executor.run_step if self.executor is not None else None,
             decode_graphs=self.worker.capture_decode_graphs(self.block_manager, log),
         )
+        # LoRA adapters over the base weights (engine/lora.py); the start-up ones load here.
+        self.loras: LoraManager | None = None
+        if config.lora.enable_lora:
+            self.loras = LoraManager(config.lora, self.worker.model, self.worker.dtype, self.worker.device)
+            self.runner.lora = self.loras
+            self.scheduler.max_loras = config.lora.max_loras
         if log:
             for name, value in self.facts().items():
                 print(f"[pagoda] {name}: {value}", file=sys.stderr, flush=True)
@@ -139,6 +149,10 @@ class EngineCore:
             "max_num_batched_tokens": str(sc.max_num_batched_tokens),
             "prefix_caching": "on" if cc.enable_prefix_caching else "off",
             "speculative_decoding": _describe_speculation(self.speculation),
+            "lora": "off" if self.loras is None else (
+                f"max {self.config.lora.max_loras} resident, rank <= {self.config.lora.max_lora_rank}, adapters: "
+                f"{', '.join(self.loras.names()) or 'none'}"
+            ),
         }
 
     # ---- the model side's facts (read-only) ------------------------------------------------
@@ -241,6 +255,9 @@ class EngineCore:
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
         )
+        if params.thinking is not None:
+            request.thinking = Thinking(params.thinking, IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, [], skip_special_tokens=params.skip_special_tokens))
         self.requests[request_id] = request
         self.scheduler.add_request(request)
         if request.waiting_for_grammar:
@@ -312,7 +329,7 @@ class EngineCore:
                 ]
                 # One sampler row per sampling request; 1 + k for one verifying k drafts.
                 rows = _sampler_rows(sampling, spec) if spec else sampling
-                sampled = self.sampler(logits, rows, self._step_grammars(rows)) if rows else None
+                sampled = self.sampler(logits, rows, self._step_grammars(rows), _forced_tokens(rows)) if rows else None
                 if self.runner.prompt_rows:  # after the sampler's wait: their transfer is ready
                     self._record_prompt_logprobs()
             outputs = failed_grammars + self._update(sched, sampling, sampled, stats)
@@ -359,7 +376,8 @@ class EngineCore:
         A draft row (speculative decoding) gets a copy of its request's matcher advanced
         through the drafts before it; the request's own matcher is advanced afterwards by
         the tokens actually emitted (`_update`), so nothing needs rolling back."""
-        rows = [i for i, r in enumerate(sampling) if r.grammar is not None and r.max_tokens > 0]
+        rows = [i for i, r in enumerate(sampling)
+                if r.grammar is not None and r.max_tokens > 0 and not _is_thinking(r)]
         if not rows:
             return None
         matchers = []
@@ -413,6 +431,8 @@ class EngineCore:
         stats.kv_cache_tail_waste_tokens = sum(
             self.block_manager.tail_waste(r.request_id, r.num_computed_tokens) for r in self.scheduler.running
         )
+        if self.loras is not None:
+            stats.lora_adapters = self.loras.step_adapters(self.scheduler.running, self.scheduler.waiting)
         self.on_step(stats)
 
     def _update(self, sched, sampling: list[Request], sampled, stats: StepStats | None) -> list[RequestOutput]:
@@ -463,10 +483,11 @@ class EngineCore:
                     stats.num_generation_tokens += 1
                 if sampled.logprobs[i] is not None:
                     request.logprobs.append(self._decode_logprobs(sampled.logprobs[i]))
-                if request.grammar is not None and not request.grammar.matcher.accept_token(token):
+                is_answer = request.thinking is None or request.thinking.advance(token)
+                if is_answer and request.grammar is not None and not request.grammar.matcher.accept_token(token):
                     request.grammar.num_rejected += 1  # the matcher now reports terminated: the request stops
                     logger.warning("request %s: sampled token %d is outside its grammar", request.request_id, token)
-                status = self._check_stop(request, token)
+                status = self._check_stop(request, token, is_answer)
                 if status is not None:
                     self._finish(request, status, stats)
                     break  # tokens after a stop are never emitted
@@ -480,7 +501,7 @@ class EngineCore:
         for lp, (request, _) in zip(self.runner.prompt_logprobs.to_host(), self.runner.prompt_rows):
             request.prompt_logprobs.append(self._decode_logprobs(lp))
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+    def _check_stop(self, request: Request, token: int, is_answer: bool = True) -> RequestStatus | None:
         p = request.sampling_params
         n = request.num_output_tokens
         if n >= p.min_tokens:
@@ -489,12 +510,13 @@ class EngineCore:
             if token in p.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.detokenizer is not None:
+        # Stop strings and the grammar are the answer's: the thinking cannot end the request.
+        if request.detokenizer is not None and is_answer:
             stop_str = request.detokenizer.update([token])
             if stop_str is not None:
                 request.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and request.grammar.matcher.is_terminated():
+        if is_answer and request.grammar is not None and request.grammar.matcher.is_terminated():
             return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if n >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -539,6 +561,12 @@ class EngineCore:
             stop_reason=request.stop_reason,
             delta_text=delta,
         )
+        if (thinking := request.thinking) is not None:
+            if request.is_finished:
+                thinking.finish()
+            completion.reasoning_text = thinking.detokenizer.output_text
+            completion.delta_reasoning_text = thinking.detokenizer.get_delta_text(request.is_finished)
+            completion.num_reasoning_tokens = thinking.num_reasoning_tokens
         return RequestOutput(
             request_id=request.request_id,
             prompt=None,
@@ -548,6 +576,21 @@ class EngineCore:
             prompt_logprobs=request.prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+
+def _is_thinking(row) -> bool:
+    """The row's next token is (or may be) thinking, which no grammar constrains."""
+    return row.thinking is not None and row.thinking.state.thinking
+
+
+def _forced_tokens(rows: list) -> dict[int, int] | None:
+    """Sampler row -> the token it must take: the end of a thinking whose budget is spent.
+    Thinking requests have no draft rows (Scheduler._propose), so each is one row."""
+    forced = {}
+    for i, row in enumerate(rows):
+        if row.thinking is not None and (token := row.thinking.state.forced_token()) is not None:
+            forced[i] = token
+    return forced or None
 
 
 def _sampler_rows(sampling: list[Request], spec_tokens: dict[str, list[int]]) -> list:

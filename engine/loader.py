@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
 from engine.dummy_model import init_dummy_weights
@@ -25,18 +25,46 @@ from engine.quantization.checkpoint import CheckpointQuantization, concat_shards
 from engine.quantization.weights import QuantizedLinear, runtime_module
 
 
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim")
+"""config.json sizes that must be positive integers where present (0 heads divide by zero deep in a load)."""
+
+
 def load_hf_config(path: Path):
     """The folder's transformers config; a one-line ValueError for an architecture
     engine/models/registry.py does not list (checked on config.json first, so one that
-    transformers does not know either gets the same line, not transformers' advice)."""
+    transformers does not know either gets the same line, not transformers' advice), and
+    for a config.json that is not JSON, has a size that is not a positive integer, or that
+    transformers refuses: each names the file."""
     config_file = Path(path) / "config.json"
     if config_file.is_file():
-        model_type = json.loads(config_file.read_text()).get("model_type")
+        raw = read_json_object(config_file)
+        model_type = raw.get("model_type")
         if model_type is not None:
             check_model_type(model_type)
-    cfg = AutoConfig.from_pretrained(str(path))
+        for key in _POSITIVE_SIZES:
+            value = raw.get(key)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{config_file}: {key} must be a positive integer, got {value!r}")
+    try:
+        cfg = AutoConfig.from_pretrained(str(path))
+    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+        raise ValueError(f"{config_file}: not a valid model configuration ({type(e).__name__}: {e})") from e
     check_model_type(cfg.model_type)
     return cfg
+
+
+def read_json_object(file: Path) -> dict:
+    """A JSON file that must hold an object; a ValueError naming the file otherwise."""
+    try:
+        data = json.loads(Path(file).read_text())
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: not UTF-8 text ({e})") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def load_tokenizer(path: Path):
@@ -62,11 +90,15 @@ def load_tokenizer(path: Path):
             cls = getattr(transformers, name, None)
         except ImportError:  # a tokenizer whose optional dependency is missing
             cls = None
-    if isinstance(cls, type) and issubclass(cls, backend):
-        return cls.from_pretrained(str(path))
-    from transformers import AutoTokenizer
+    try:
+        if isinstance(cls, type) and issubclass(cls, backend):
+            return cls.from_pretrained(str(path))
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - the Rust tokenizers raise plain Exception for a malformed file
+        source = path / "tokenizer.json" if (path / "tokenizer.json").is_file() else path
+        raise ValueError(f"{source}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
 
 
 def load_model(
@@ -121,15 +153,18 @@ def load_model(
         pending.clear()
     with torch.no_grad():
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue
-                    if name.rpartition(".")[0] in prefixes:
-                        continue
-                    if name == "lm_head.weight" and args.tie_word_embeddings:
-                        continue
-                    copy_weight(model, params, pending, name, f.get_tensor(name), "checkpoint")
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        if name.endswith("rotary_emb.inv_freq"):
+                            continue
+                        if name.rpartition(".")[0] in prefixes:
+                            continue
+                        if name == "lm_head.weight" and args.tie_word_embeddings:
+                            continue
+                        copy_weight(model, params, pending, name, f.get_tensor(name), "checkpoint")
+            except SafetensorError as e:  # truncated or overwritten: one line naming the file
+                raise ValueError(f"{file}: not a valid safetensors file ({e})") from e
     missing = sorted(name for name, left in pending.items() if left)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for {missing[:5]}")

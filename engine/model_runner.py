@@ -16,6 +16,7 @@ from engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphRunner
+    from engine.lora import LoraManager
     from engine.worker import Worker
 
 ForwardStep = Callable[
@@ -43,6 +44,8 @@ class ModelRunner:
         self.forward_step: ForwardStep = forward_step or worker.forward
         # Pure decode steps replayed from CUDA graphs (on CUDA); None = every step eager.
         self.decode_graphs = decode_graphs
+        # The LoRA adapters' row groups are set per step (engine/lora.py); None: LoRA off.
+        self.lora: "LoraManager | None" = None
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -118,8 +121,17 @@ class ModelRunner:
         copies = None
         if sched.blocks_to_copy:
             copies = torch.tensor(sched.blocks_to_copy, dtype=torch.int64, device=self.device)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(sched):
+        lora = self.lora
+        # A graph replays the kernels it captured: it has no LoRA deltas in it.
+        with_lora = lora is not None and any(r.sampling_params.lora_request is not None for r in sched.scheduled)
+        if self.decode_graphs is not None and not with_lora and self.decode_graphs.can_run(sched):
             self.prompt_rows, self.prompt_logprobs = [], None  # a decode computes no prompt position
             return self.decode_graphs.execute(sched, copies)
         input_ids, positions, meta = self.prepare(sched)
-        return self.forward_step(input_ids, positions, meta, copies, self.prompt_logprobs)
+        if not with_lora:
+            return self.forward_step(input_ids, positions, meta, copies, self.prompt_logprobs)
+        lora.begin_step(sched.scheduled, sched.num_scheduled_tokens)
+        try:
+            return self.forward_step(input_ids, positions, meta, copies, self.prompt_logprobs)
+        finally:
+            lora.end_step()

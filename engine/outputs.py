@@ -29,6 +29,13 @@ class CompletionOutput:
     delta_text: str = ""
     """Text that became safe to show since the previous output of this request (held-back
     stop-string prefixes and partial UTF-8 excluded until resolved): what streams send."""
+    reasoning_text: str | None = None
+    """With SamplingParams.thinking: the thinking's text (tags excluded; `text` is then the
+    answer alone). None without it."""
+    delta_reasoning_text: str = ""
+    """Thinking text new since the previous output, as `delta_text` is for the answer."""
+    num_reasoning_tokens: int = 0
+    """Output tokens before the answer (thinking and its tags)."""
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
     from engine.outputs import SampleLogprobs
     from engine.structured_output import RequestGrammar
+    from engine.thinking import Thinking
 
 
 class RequestStatus(enum.IntEnum):
@@ -70,6 +71,8 @@ class Request:
     """Sample j > 0 of an n > 1 request: shares sample 0's prompt blocks once computed."""
     grammar: "RequestGrammar | None" = None
     """The grammar its tokens must follow (SamplingParams.structured_output), compiled or compiling."""
+    thinking: "Thinking | None" = None
+    """Its thinking section (SamplingParams.thinking): state, budget and thinking text."""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -109,7 +112,10 @@ class Request:
 
     @property
     def cache_extra_keys(self) -> tuple:
-        return () if self.cache_salt is None else (self.cache_salt,)
+        keys = () if self.cache_salt is None else (self.cache_salt,)
+        lora = self.sampling_params.lora_request
+        # KV computed under one adapter is not another's (nor the base's): its id keys the blocks.
+        return keys if lora is None else (*keys, ("lora", lora.lora_id))
 
     @property
     def waiting_for_grammar(self) -> bool:

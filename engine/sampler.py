@@ -63,8 +63,11 @@ class Sampler:
         self._device_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], grammar: GrammarConstraint | None = None
+        self, logits: torch.Tensor, requests: list[Request], grammar: GrammarConstraint | None = None,
+        forced: dict[int, int] | None = None,
     ) -> SamplerOutput:
+        """`forced`: row -> the token it takes whatever the logits say (a thinking budget's
+        end tag, engine/thinking.py); its logprobs are still the model's own."""
         logits = logits.float()
         device = logits.device
         # Logprobs describe the model's own distribution, before any processing.
@@ -92,6 +95,8 @@ class Sampler:
                 noise = {row: q[j] for j, row in enumerate(random_rows)}
         if grammar is not None:
             self._constrain(token_ids, logits, raw_logits, requests, grammar, noise)
+        if forced:
+            token_ids[_on(device, list(forced))] = _on(device, list(forced.values()))
 
         pending = None
         if raw_logprobs is not None:

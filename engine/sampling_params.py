@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from engine.lora import LoraRequest
     from engine.structured_output.spec import StructuredOutputSpec
+    from engine.thinking import ThinkingSpec
 
 _GREEDY_EPS = 1e-5
 
@@ -43,11 +45,16 @@ class SamplingParams:
     structured_output: "StructuredOutputSpec | None" = None
     """Constrain the output to a JSON schema, regex, choice or grammar; ends with "stop"
     once the grammar is complete (max_tokens still cuts it, with "length")."""
+    thinking: "ThinkingSpec | None" = None
+    """A reasoning model's thinking section (engine/thinking.py): its tokens are reported
+    apart from the answer, the grammar starts after it, its budget is enforced."""
     use_beam_search: bool = False
     """Return the n best sequences of a beam search of width n instead of n samples
     (engine/beam_search.py); deterministic, so the sampling fields must keep their defaults."""
     length_penalty: float = 1.0
     """Beam search: a finished beam scores its log-probability / (its length ** length_penalty)."""
+    lora_request: "LoraRequest | None" = None
+    """The LoRA adapter the request runs with (engine/lora.py); None: the base model."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +119,8 @@ class SamplingParams:
             raise ValueError(f"stop strings cannot be used {beam} (stop_token_ids can)")
         if self.structured_output is not None:
             raise ValueError(f"structured_output cannot be used {beam}")
+        if self.thinking is not None:
+            raise ValueError(f"a reasoning model's thinking cannot be separated {beam}")
         if self.max_tokens == 0:
             raise ValueError(f"max_tokens must be at least 1 {beam}")
 

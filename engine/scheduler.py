@@ -68,6 +68,9 @@ class Scheduler:
         self.waiting = FairQueue(enabled=config.scheduling_policy == "fair")
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Most distinct LoRA adapters among the running requests (`--max-loras`: the resident
+        # ones, engine/lora.py); None: LoRA off.
+        self.max_loras: int | None = None
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -128,10 +131,16 @@ class Scheduler:
             self.waiting.charge_all(step_tokens)
         # A step that had to preempt admits nobody: the memory is not there.
         parked: list[Request] = []
+        running_loras = {r.sampling_params.lora_request.lora_id for r in self.running
+                         if r.sampling_params.lora_request is not None} if self.max_loras is not None else set()
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
             if request.waiting_for_grammar:
                 parked.append(request)  # its grammar is still compiling; the others go on
+                continue
+            lora = request.sampling_params.lora_request
+            if lora is not None and lora.lora_id not in running_loras and len(running_loras) >= (self.max_loras or 0):
+                parked.append(request)  # its adapter would be one more than --max-loras in the batch
                 continue
             parent = request.fork_parent
             if parent is not None and not self._try_fork(request):
@@ -155,6 +164,8 @@ class Scheduler:
                 request.first_scheduled_time = now
                 request.num_cached_tokens = start
             self.running.append(request)
+            if lora is not None:
+                running_loras.add(lora.lora_id)
             out.scheduled.append(request)
             out.num_scheduled_tokens.append(n)
             self.waiting.charge(request.tenant, n)  # so the next pick of this step sees it
@@ -171,7 +182,9 @@ class Scheduler:
         """Draft tokens for a decoding request: at most k, what the step's budget leaves,
         and one fewer than the tokens it may still emit (the bonus token takes the last)."""
         k = min(spec.num_speculative_tokens, budget, request.max_tokens - request.num_output_tokens - 1)
-        if k <= 0:
+        if k <= 0 or (request.thinking is not None and request.thinking.state.thinking):
+            # A thinking request gets none: its grammar and budget switch on at a token
+            # boundary the drafts could cross.
             return []
         drafts = propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
         if drafts and request.grammar is not None:

@@ -47,3 +47,5 @@ class StepStats:
     time_to_first_token_s: list[float] = field(default_factory=list)
     inter_token_latency_s: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    lora_adapters: tuple[list[str], list[str]] | None = None
+    """With LoRA on: the adapter names of the running and of the waiting requests (after the step)."""

@@ -27,6 +27,7 @@ from server.errors import (
     AuthenticationError,
     InvalidRequestError,
     error_envelope,
+    error_response,
     install_exception_handlers,
     retry_after,
 )
@@ -37,6 +38,8 @@ from server.response_store import ResponseStore
 from server.serving import OpenAIServing, json_response, read_body
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
+from server.serving_lora import LoraServing
+from server.serving_messages import MessagesServing
 from server.serving_responses import OWNER_STATE, ResponsesServing
 from server.serving_tokenize import TokenizeServing
 from server.tenants import LIMITER_STATE, TENANT_STATE, KeyRegistry
@@ -88,9 +91,8 @@ class APIKeyMiddleware:
         if tenant is None:
             message = ("missing API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'"
                        if not (given or x_api_key) else "incorrect API key provided")
-            error = AuthenticationError(message)
-            response = JSONResponse(error.envelope(), status_code=error.status_code, headers={"WWW-Authenticate": "Bearer"})
-            await response(scope, receive, send)
+            error = AuthenticationError(message, headers={"WWW-Authenticate": "Bearer"})
+            await error_response(error, scope["path"])(scope, receive, send)
             return
         limiter = self.keys.limiter(tenant)
         state = scope.setdefault("state", {})
@@ -110,11 +112,12 @@ class APIKeyMiddleware:
 
 
 def install_reload_on_sighup(keys: KeyRegistry) -> None:
-    """SIGHUP re-reads the keys file (on the event loop, between requests): see KeyRegistry.reload."""
+    """SIGHUP re-reads the keys file (parsed off the event loop, put in force on it): see
+    KeyRegistry.reload_off_loop."""
     if keys.path is None:
         return
     try:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, keys.reload)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, keys.schedule_reload)
     except (NotImplementedError, RuntimeError, ValueError) as e:  # not the main thread, or no SIGHUP (Windows)
         logger.warning("SIGHUP will not reload the API keys file here: %s", e)
 
@@ -178,9 +181,14 @@ def build_app(
     completion_serving = CompletionServing(serving)
     chat_serving = ChatServing(serving)
     responses_serving = ResponsesServing(
-        serving, chat_serving, ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
+        serving, chat_serving, ResponseStore(config.responses_store_size, config.responses_store_ttl_s,
+                                           max_bytes=config.responses_store_bytes)
     )
     tokenize_serving = TokenizeServing(serving, chat_serving)
+    messages_serving = MessagesServing(serving, chat_serving)
+    lora_serving = LoraServing(serving)
+    if lora_serving.loras is not None:
+        serving.lora = lora_serving
 
     keys = keys if keys is not None else KeyRegistry(config.api_keys_file, config.api_key)
     serving.keys = keys
@@ -241,16 +249,35 @@ def build_app(
     async def delete_response_route(request: Request, response_id: str) -> Response:
         return responses_serving.delete_response(request, response_id)
 
+    # Anthropic's Messages API; its errors use Anthropic's envelope (server/errors.py).
+    @app.post("/v1/messages")
+    async def messages_route(request: Request) -> Response:
+        return await messages_serving.create_message(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens_route(request: Request) -> Response:
+        return await messages_serving.count_tokens(request)
+
     @app.get("/v1/models")
     async def models_route() -> Response:
-        return json_response(ModelList(data=[model_card(serving)]))
+        return json_response(ModelList(data=[model_card(serving), *lora_serving.model_cards()]))
 
     app.add_api_route("/models", models_route, methods=["GET"], include_in_schema=False)  # llama.cpp's path
 
     @app.get("/v1/models/{model:path}")
     async def model_route(model: str) -> Response:
         serving.check_model(model)
-        return json_response(model_card(serving))
+        card = next((c for c in lora_serving.model_cards() if c.id == model), None)
+        return json_response(card or model_card(serving))
+
+    # vLLM's runtime adapter API (server/serving_lora.py), behind --allow-runtime-lora-loading.
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter_route(request: Request) -> Response:
+        return await lora_serving.load(request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter_route(request: Request) -> Response:
+        return await lora_serving.unload(request)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

@@ -25,6 +25,7 @@ _ENGINE_KEYS = (
     "speculative_config",
     "scheduling_policy",
     "batch_invariant",
+    "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "allow_runtime_lora_loading", "lora_dir",
 )
 
 
@@ -59,6 +60,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="do not reuse the KV blocks of earlier requests' identical prompt prefixes")
     # In a --config file: `batch-invariant: true`.
     parser.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None)
+    parser.add_argument("--enable-lora", dest="enable_lora", action="store_true", default=None)
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH")
+    parser.add_argument("--max-loras", type=int, default=None)
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--allow-runtime-lora-loading", dest="allow_runtime_lora_loading", action="store_true",
+                        default=None)
+    parser.add_argument("--lora-dir", action="append", default=None, metavar="DIR")
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict:
@@ -72,6 +80,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     from uvicorn.config import LOG_LEVELS
 
     from server.config import ServerConfig
+    from server.reasoning import REASONING_PARSER_CHOICES
     from server.tools.parsers import TOOL_PARSERS
 
     defaults = ServerConfig()
@@ -82,8 +91,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"))
     parser.add_argument("--api-keys-file", default=defaults.api_keys_file, metavar="PATH")
     parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    parser.add_argument("--max-header-bytes", type=int, default=defaults.max_header_bytes)
+    parser.add_argument("--max-header-count", type=int, default=defaults.max_header_count)
+    parser.add_argument("--client-read-timeout", type=float, default=defaults.client_read_timeout_s)
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
-                        help="unfinished samples the engine accepts before answering 503 + Retry-After")
+                        help="unfinished samples (prompts x n) the engine accepts before answering 503 + Retry-After; "
+                             "one named API key may hold at most three quarters of them (past that its requests get "
+                             "429, while other keys' are still admitted)")
     parser.add_argument("--max-waiting-tokens", type=int, default=None,
                         help="prompt tokens not yet prefilled (of requests without their first token) beyond which "
                              "new requests get 503 + Retry-After; an empty queue still takes one longer prompt "
@@ -98,8 +112,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=list(TOOL_PARSERS))
     parser.add_argument("--max-parallel-tool-calls", type=int, default=defaults.max_parallel_tool_calls)
     parser.add_argument("--chat-template", default=defaults.chat_template)
+    parser.add_argument("--reasoning-parser", default=defaults.reasoning_parser, choices=list(REASONING_PARSER_CHOICES))
     parser.add_argument("--responses-store-size", type=int, default=defaults.responses_store_size)
     parser.add_argument("--responses-store-ttl", type=float, default=defaults.responses_store_ttl_s)
+    parser.add_argument("--responses-store-bytes", type=int, default=defaults.responses_store_bytes)
     parser.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs)
     parser.add_argument("--return-tokens-as-token-ids", action="store_true")
     parser.add_argument("--log-level", default="info", choices=list(LOG_LEVELS), help="uvicorn's log level.")
@@ -196,6 +212,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.default_model import resolve_model_path
     from server.app import ServerConfig, build_app
+    from server.http_limits import HttpLimits, bounded_http_protocol
     from server.metrics import Metrics
     from server.shutdown import FLUSH_TIMEOUT_S, DrainingServer
     from server.tenants import KeyRegistry
@@ -206,6 +223,9 @@ def run_serve(ns: argparse.Namespace) -> int:
             api_key=ns.api_key or None,
             api_keys_file=ns.api_keys_file,
             max_body_bytes=ns.max_body_bytes,
+            max_header_bytes=ns.max_header_bytes,
+            max_header_count=ns.max_header_count,
+            client_read_timeout_s=ns.client_read_timeout,
             max_n=ns.max_n,
             health_stall_timeout_s=ns.health_stall_timeout,
             tokenizer_threads=ns.tokenizer_threads,
@@ -216,8 +236,10 @@ def run_serve(ns: argparse.Namespace) -> int:
             tool_call_parser=ns.tool_call_parser,
             max_parallel_tool_calls=ns.max_parallel_tool_calls,
             chat_template=ns.chat_template,
+            reasoning_parser=ns.reasoning_parser,
             responses_store_size=ns.responses_store_size,
             responses_store_ttl_s=ns.responses_store_ttl,
+            responses_store_bytes=ns.responses_store_bytes,
             max_logprobs=ns.max_logprobs,
             return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
         )
@@ -249,11 +271,13 @@ def run_serve(ns: argparse.Namespace) -> int:
     elif server_config.api_key:
         auth = "with an API key"
     print(f"[pagoda] serving {model_name!r} on http://{ns.host}:{ns.port} ({auth})", file=sys.stderr, flush=True)
-    # loop/http "auto": uvloop and httptools when installed (they are dependencies, except
-    # uvloop on Windows), else asyncio and h11.
+    # loop "auto": uvloop when installed (a dependency, except on Windows), else asyncio.
+    # http: httptools (a dependency) under the head size, header count and read-time limits.
+    limits = HttpLimits(server_config.max_header_bytes, server_config.max_header_count,
+                        server_config.client_read_timeout_s)
     uvicorn_config = uvicorn.Config(
         app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=not ns.no_access_log,
-        timeout_graceful_shutdown=FLUSH_TIMEOUT_S, loop="auto", http="auto",
+        timeout_graceful_shutdown=FLUSH_TIMEOUT_S, loop="auto", http=bounded_http_protocol(limits),
     )
     # SIGTERM drains (server/shutdown.py) and the process then exits 0.
     DrainingServer(uvicorn_config, app.state.serving).run()

@@ -12,9 +12,15 @@ class ServerConfig:
     api_key: str | None = None
     """With a key, every route except /health, /metrics and /version needs `Authorization: Bearer KEY`."""
     api_keys_file: str | None = None
-    """YAML or JSON file of named API keys, each with optional requests_per_minute, tokens_per_minute, max_concurrent_requests and priority (server/tenants.py; configs/api-keys/example.yaml); re-read on SIGHUP (a malformed file then keeps the keys in force). Beside --api-key, which stays valid."""
+    """YAML or JSON file of named API keys, each with optional requests_per_minute, tokens_per_minute, max_concurrent_requests (counted in samples: prompts x n) and priority (server/tenants.py; configs/api-keys/example.yaml); re-read on SIGHUP (a malformed file then keeps the keys in force). Beside --api-key, which stays valid."""
     max_body_bytes: int = 4 * 2**20
     """Largest request body; 4 MiB holds 64 prompts of 8k token ids as JSON."""
+    max_header_bytes: int = 64 * 2**10
+    """Largest request head (request line and headers); past it the request gets 431 and the connection closes, before any API-key check."""
+    max_header_count: int = 100
+    """Most header lines in one request; more get 431 and the connection closes."""
+    client_read_timeout_s: float = 30.0
+    """Seconds a client has to send a complete request head (from connecting, or from the first byte of its next request), and again its body (from the end of the head); then the connection is closed."""
     max_n: int = 16
     """Largest `n` (samples per prompt)."""
     health_stall_timeout_s: float = 30.0
@@ -38,10 +44,14 @@ class ServerConfig:
     """Most tool calls in one reply (with `parallel_tool_calls`; without it, one): the next call ends the list, as does a call that repeats an earlier call of the same reply exactly (name and arguments). Either way generation stops there and the reply finishes with "tool_calls"."""
     chat_template: str | None = None
     """A Jinja chat-template file that replaces the model's own (e.g. one with a tools branch)."""
+    reasoning_parser: str = "auto"
+    """How a reasoning model's thinking is told from its answer (`reasoning_content`, Responses reasoning items): qwen3 (the model writes `<think>`...`</think>` first) or deepseek_r1 (the thinking is open from the start, up to `</think>`); auto: the chat template's form when it is unambiguous (logged at start-up), else none; none: the thinking stays in the content."""
     responses_store_size: int = 1024
     """Responses kept for `previous_response_id` and `GET /v1/responses/{id}` (with `store`, OpenAI's default); past it the least recently used goes first (0: keep none)."""
     responses_store_ttl_s: float = 3600.0
     """Seconds a stored response is kept after its last use (creation, lookup or continuation)."""
+    responses_store_bytes: int = 256 * 2**20
+    """Most bytes (as JSON) the stored responses may hold together; past it the least recently used go first. A response larger than this alone is not stored."""
     max_logprobs: int = 20
     """Most logprobs per token a request may ask for (`logprobs`, `top_logprobs`, vLLM's `prompt_logprobs`); more is a 400 naming the field. vLLM's `-1` in a request means the whole vocabulary, so it needs at least the vocabulary's size here (-1: no cap)."""
     return_tokens_as_token_ids: bool = False
@@ -68,6 +78,14 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no cap), got {self.max_logprobs}")
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
+        if self.responses_store_bytes < 0:
+            raise ValueError(f"responses_store_bytes must be >= 0, got {self.responses_store_bytes}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        if self.max_header_count < 8:
+            raise ValueError(f"max_header_count must be >= 8, got {self.max_header_count}")
+        if not self.client_read_timeout_s > 0:
+            raise ValueError(f"client_read_timeout_s must be > 0, got {self.client_read_timeout_s}")
         if not self.responses_store_ttl_s > 0:
             raise ValueError(f"responses_store_ttl_s must be > 0, got {self.responses_store_ttl_s}")
         if not self.shutdown_timeout_s >= 0:

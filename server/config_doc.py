@@ -42,6 +42,7 @@ _FIELD_OF_FLAG = {
     "shutdown_timeout": "shutdown_timeout_s",
     "grammar_compile_timeout": "grammar_compile_timeout_s",
     "responses_store_ttl": "responses_store_ttl_s",
+    "client_read_timeout": "client_read_timeout_s",
 }
 # The default shown for flags whose argparse default depends on the environment.
 _ENV_DEFAULTS = {"api_key": "`$PAGODA_API_KEY`, else none"}

@@ -155,13 +155,55 @@ def to_api_error(exc: BaseException) -> APIError:
     return InternalServerError(f"internal server error ({type(exc).__name__})")
 
 
-def error_response(error: APIError) -> JSONResponse:
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error as its route answers it: Anthropic's envelope on the Messages API routes
+    (`path`), OpenAI's everywhere else."""
+    if is_anthropic_path(path):
+        return JSONResponse(anthropic_envelope(error), status_code=anthropic_status(error), headers=error.headers)
     return JSONResponse(error.envelope(), status_code=error.status_code, headers=error.headers)
 
 
 def sse_error_event(exc: BaseException) -> bytes:
     """An error after a stream started: one `data:` event with the envelope (then [DONE])."""
     return b"data: " + json.dumps(to_api_error(exc).envelope()).encode() + b"\n\n"
+
+
+# ---- Anthropic's envelope, on the Messages API routes ----------------------------------------
+ANTHROPIC_ROUTE = "/v1/messages"
+_OVERLOADED = frozenset({"queue_full", "queue_timeout", "server_draining"})
+"""503 codes that are Anthropic's 529 overloaded_error: come back later (retry-after kept)."""
+_ANTHROPIC_TYPES = {
+    401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+    429: "rate_limit_error", 504: "timeout_error", 529: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
+
+
+def anthropic_status(error: APIError) -> int:
+    """Anthropic's status: 529 for an overloaded server, 500 for any other 5xx but a
+    timeout (504), the OpenAI routes' status otherwise."""
+    if error.status_code == 503:
+        return 529 if error.code in _OVERLOADED else 500
+    return error.status_code
+
+
+def anthropic_envelope(error: APIError) -> dict[str, Any]:
+    """`{"type": "error", "error": {"type", "message"}}`. Anthropic's envelope has no
+    `param`: the message starts with the field it is about."""
+    status = anthropic_status(error)
+    error_type = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    message = error.message
+    if error.param and error.param not in message:
+        message = f"{error.param}: {message}"
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def anthropic_sse_error_event(exc: BaseException) -> bytes:
+    """An error after a Messages stream started: Anthropic's `error` event."""
+    return b"event: error\ndata: " + json.dumps(anthropic_envelope(to_api_error(exc))).encode() + b"\n\n"
 
 
 # ---- pydantic errors -> 400 with `param` naming the field ------------------------------------
@@ -218,10 +260,10 @@ def validation_error(errors: list[dict[str, Any]]) -> InvalidRequestError:
 # ---- handlers -------------------------------------------------------------------------------
 def install_exception_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(to_api_error(exc))
+        return error_response(to_api_error(exc), request.url.path)
 
     async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(list(exc.errors())))
+        return error_response(validation_error(list(exc.errors())), request.url.path)
 
     async def on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
@@ -234,10 +276,10 @@ def install_exception_handlers(app: FastAPI) -> None:
             error = APIError(str(exc.detail), code=None, headers=dict(exc.headers or {}))
             error.status_code = exc.status_code
             error.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(to_api_error(exc))
+        return error_response(to_api_error(exc), request.url.path)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(QueueFullError, on_api_error)

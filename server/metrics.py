@@ -27,7 +27,7 @@ from engine.stats import StepStats
 PREFIX = "pagoda:"
 
 FINISH_REASONS = ("stop", "length", "abort")
-ENDPOINTS = ("completions", "chat_completions", "responses")
+ENDPOINTS = ("completions", "chat_completions", "responses", "messages")
 """The `endpoint` label of the per-endpoint series."""
 
 # Bucket boundaries as in vLLM (vllm/v1/metrics/loggers.py).
@@ -74,6 +74,8 @@ class Metrics:
     ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
+        # The LoRA series (server/serving_lora.py `LoraMetrics`), added by the app when LoRA is on.
+        self.lora = None
         max_model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
         token_buckets = build_1_2_5_buckets(max_model_len)
         iteration_buckets = build_1_2_5_buckets(max_num_batched_tokens or max_model_len)
@@ -168,7 +170,7 @@ class Metrics:
             "Speculative decoding: draft tokens accepted, by position in the draft (0 = first).",
             ["model_name", "position"], registry=reg)
 
-        # Per HTTP endpoint (completions, chat_completions, responses): the engine's series
+        # Per HTTP endpoint (completions, chat_completions, responses, messages): the engine's series
         # above cannot tell which API a request came through.
         endpoint_labels = ["model_name", "endpoint"]
         self._endpoint_requests = Counter(
@@ -264,6 +266,8 @@ class Metrics:
 
     def on_step(self, stats: StepStats) -> None:
         """Record one engine step (or abort report). Called from the engine-loop thread."""
+        if self.lora is not None:
+            self.lora.on_step(stats)
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(min(max(stats.kv_cache_usage, 0.0), 1.0))

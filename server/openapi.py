@@ -14,15 +14,21 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol_anthropic import CountTokensRequest, MessagesRequest
 from server.protocol_responses import ResponsesRequest
+from server.serving_lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from server.serving_tokenize import DetokenizeRequest, TokenizeRequest
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 
 

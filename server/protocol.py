@@ -64,12 +64,21 @@ MAX_CACHE_SALT_LEN = 1024
 MAX_TOOLS = 128
 """Most tools (or legacy functions) in one chat request, as OpenAI."""
 MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_LEN = 64
+MAX_METADATA_VALUE_LEN = 512
 # Logprobs JSON cannot carry -inf; vLLM reports impossible tokens as -9999.0 too.
 _MIN_LOGPROB = -9999.0
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_LEN)]
 BiasValue = Annotated[float, Field(ge=-100, le=100)]
 TokenId = Annotated[int, Field(ge=0)]
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=MAX_METADATA_KEY_LEN)],
+         Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE_LEN)]],
+    Field(max_length=MAX_METADATA_PAIRS),
+]
+"""`metadata` under OpenAI's limits: 16 pairs, keys of at most 64 characters, values of 512
+(stored responses keep it, so it must not grow without bound)."""
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 """OpenAI's rule for tool (function) names: 1-64 letters, digits, '_' or '-'."""
 
@@ -145,6 +154,9 @@ REFUSED_COMPLETION_ONLY: Mapping[str, Refusal] = {
     "continue_final_message": Refusal(_CHAT_FIELD, (None, False)),
     "prompt_embeds": Refusal("prompts are text or token ids"),
     "add_special_tokens": Refusal(_NOT_IMPLEMENTED_VLLM, (None, True)),
+    "chat_template_kwargs": Refusal(f"{_CHAT_FIELD}; completions have no chat template", (None, {})),
+    "thinking_token_budget": Refusal(f"{_CHAT_FIELD}; completions do not separate a model's thinking"),
+    "max_reasoning_tokens": Refusal(f"{_CHAT_FIELD}; completions do not separate a model's thinking"),
 }
 REFUSED_CHAT_ONLY: Mapping[str, Refusal] = {
     "best_of": Refusal("it is a completions field (POST /v1/completions)", (None, 1)),
@@ -152,7 +164,6 @@ REFUSED_CHAT_ONLY: Mapping[str, Refusal] = {
     "prompt": Refusal("it is a completions field; chat takes messages"),
     "add_special_tokens": Refusal(_NOT_IMPLEMENTED_VLLM, (None, False)),
     "chat_template": Refusal("a per-request chat template is not implemented (the server's template is used)"),
-    "chat_template_kwargs": Refusal(_NOT_IMPLEMENTED_VLLM, (None, {})),
     "documents": Refusal(_NOT_IMPLEMENTED_VLLM),
     "mm_processor_kwargs": Refusal("this model takes text only"),
     "media_io_kwargs": Refusal("this model takes text only"),
@@ -335,8 +346,9 @@ class SamplingRequest(_Request, VllmRequestFields, LlamaCppRequestFields):
 
     Accepted no-ops - OpenAI fields that cannot change what a local model generates, so
     they are validated and then unused: `user`, `store` (nothing is stored), `metadata`,
-    `service_tier` (one tier), `reasoning_effort` and `verbosity` (the model has no
-    reasoning or verbosity control), `prompt_cache_key` and `prompt_cache_retention` (the
+    `service_tier` (one tier), `reasoning_effort` (except "none", which turns a reasoning
+    model's thinking off in chat where its template can: server/reasoning.py) and `verbosity`
+    (no verbosity control), `prompt_cache_key` and `prompt_cache_retention` (the
     prefix cache is automatic, keyed by content and `cache_salt`), `safety_identifier`,
     `modalities` (only `["text"]`), `guided_decoding_backend` (one backend).
     Refused when used: `REFUSED_FIELDS` (400 naming the field). vLLM's prompt logprobs,
@@ -387,7 +399,7 @@ class SamplingRequest(_Request, VllmRequestFields, LlamaCppRequestFields):
     # Accepted no-ops (see the class docstring).
     user: str | None = None
     store: bool | None = None
-    metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA_PAIRS)] | None = None
+    metadata: Metadata | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
@@ -600,6 +612,10 @@ class ChatMessage(_Request):
     function_call: FunctionCall | None = None
     refusal: str | None = None
     """An assistant's refusal (OpenAI): stands for its text when `content` is null."""
+    reasoning_content: str | None = None
+    """An assistant's thinking (a reasoning model's earlier reply), for templates that show
+    it; `reasoning` is vLLM's newer name for it."""
+    reasoning: str | None = None
     audio: SkipJsonSchema[Any] = None
     """A previous audio answer: refused (text only)."""
 
@@ -634,6 +650,9 @@ class ChatMessage(_Request):
             message["tool_calls"] = [{"type": "function", "function": {"name": fc.name, "arguments": fc.arguments}}]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None and role == "assistant":
+            message["reasoning_content"] = thinking  # Qwen3's template shows it for turns after the last query
         return message
 
 
@@ -658,7 +677,7 @@ def _check_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
                         "takes text only (parts of type 'text')"
                     )
         if m.role != "assistant":
-            for field in ("tool_calls", "function_call", "refusal"):
+            for field in ("tool_calls", "function_call", "refusal", "reasoning_content", "reasoning"):
                 if getattr(m, field) is not None:
                     raise ValueError(f"{where}: only assistant messages have {field} (this one is {m.role!r})")
         elif m.tool_calls is not None and m.function_call is not None:
@@ -742,6 +761,13 @@ def _check_choice(choice: Any, names: list[str], field: str) -> None:
         raise ValueError(f"{field} names the function {name!r}, which is not among the tools ({shown})")
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions.
 
@@ -770,6 +796,14 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: ToolChoiceMode | NamedToolChoice | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning models (server/reasoning.py).
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: extra variables for the chat template (e.g. `{"enable_thinking": false}`)."""
+    thinking_token_budget: int | None = Field(None, ge=0)
+    """vLLM's: most thinking tokens before the engine closes the thinking; no effect on a
+    model without a reasoning parser (it has no thinking to bound)."""
+    max_reasoning_tokens: int | None = Field(None, ge=0)
+    """Another client's name for `thinking_token_budget`."""
 
     # Field validators (not a model validator) so that the error names its field; fields
     # validate in declaration order, so `info.data` already holds the ones above.
@@ -828,6 +862,27 @@ class ChatCompletionRequest(SamplingRequest):
         if _tools_valid(info.data):
             _check_choice(function_call, _tool_names(info.data), "function_call")
         return function_call
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        # These name the template call's own arguments or the conversation, not variables.
+        taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do")
+        return kwargs
+
+    @field_validator("max_reasoning_tokens")
+    @classmethod
+    def _one_thinking_budget(cls, budget: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("thinking_token_budget")
+        if budget is not None and other is not None and budget != other:
+            raise ValueError("max_reasoning_tokens and thinking_token_budget are one setting; give one")
+        return budget
+
+    @property
+    def thinking_budget(self) -> int | None:
+        return self.thinking_token_budget if self.thinking_token_budget is not None else self.max_reasoning_tokens
 
     @property
     def output_limit(self) -> int | None:
@@ -1038,11 +1093,18 @@ class PromptTokensDetails(_Response):
     """Prompt tokens whose KV came from the prefix cache instead of being computed."""
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0
+    """Completion tokens of a reasoning model's thinking, its tags included (server/reasoning.py)."""
+
+
 class UsageInfo(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = Field(None, exclude_if=lambda v: v is None)
+    """Only for a model with a reasoning parser."""
 
 
 class CompletionLogprobs(_Response):
@@ -1127,6 +1189,10 @@ class ChatResponseMessage(_Response):
     content: str | None = None
     tool_calls: list[ChatResponseToolCall] | None = Field(None, exclude_if=lambda v: not v)
     """The calls the model made (finish_reason "tool_calls"); left out of the JSON when none."""
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
+    """A reasoning model's thinking (server/reasoning.py); left out when the model did not think."""
+    reasoning: str | None = Field(None, exclude_if=lambda v: v is None)
+    """The same text under vLLM's newer name."""
 
 
 class ChatChoice(_Response):
@@ -1184,6 +1250,8 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "pagoda"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (server/serving_lora.py); None for the base itself."""
     max_model_len: int | None = None
 
 

@@ -9,7 +9,9 @@ response store keeps a conversation:
 
 - `{"type": "message", "role", "content": str}` (text parts joined by newlines),
 - `{"type": "function_call", "call_id", "name", "arguments"}`,
-- `{"type": "function_call_output", "call_id", "output": str}`.
+- `{"type": "function_call_output", "call_id", "output": str}`,
+- `{"type": "reasoning", "text": str}` (a reasoning model's thinking: its `content` texts;
+  it goes to the next assistant turn as `reasoning_content`, for templates that show it).
 
 Fields are implemented, documented no-ops (they cannot change what a local model
 generates), or refused with a 400 naming them (`REFUSED_FIELDS`); docs/RESPONSES.md lists
@@ -26,9 +28,9 @@ from pydantic import Field, field_validator, model_validator
 
 from server.errors import InvalidRequestError
 from server.protocol import (
-    MAX_METADATA_PAIRS,
     MAX_TOOLS,
     FunctionDefinition,
+    Metadata,
     Refusal,
     _refuse_fields,
     _Request,
@@ -47,7 +49,6 @@ REFUSED_FIELDS: Mapping[str, Refusal] = {
     "max_tool_calls": Refusal("built-in tool calls do not exist here, and function calls are limited by "
                               "parallel_tool_calls"),
     "prompt": Refusal("stored prompt templates are not implemented; send input and instructions"),
-    "reasoning": Refusal("this model has no reasoning mode", (None, {})),
     "top_logprobs": Refusal("logprobs are not implemented on /v1/responses; use /v1/chat/completions", (None, 0)),
     "truncation": Refusal("'auto' truncation is not implemented: a too long conversation is a 400",
                           (None, "disabled")),
@@ -121,32 +122,45 @@ def normalize_item(item: Any, param: str) -> dict[str, Any]:
             raise InvalidRequestError(f"{param}: a 'function_call_output' item needs 'output' (a string)",
                                       param=f"{param}.output")
         return {"type": "function_call_output", "call_id": _string(item, "call_id", param), "output": output}
+    if kind == "reasoning":
+        content = item.get("content") or []
+        if not isinstance(content, list):
+            raise InvalidRequestError(f"{param}.content must be a list of reasoning_text parts", param=f"{param}.content")
+        return {"type": "reasoning", "text": _text_of(content, f"{param}.content", ("reasoning_text",))}
     if kind == "item_reference":
         raise InvalidRequestError(f"{param}: item references are not supported; send the item itself, or "
                                   "previous_response_id", param=param)
     raise InvalidRequestError(
-        f"{param} has type {kind!r}; the items this server takes are 'message', 'function_call' and "
-        "'function_call_output'", param=param)
+        f"{param} has type {kind!r}; the items this server takes are 'message', 'function_call', "
+        "'function_call_output' and 'reasoning'", param=param)
 
 
 def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Normalized items as chat messages: instructions first as the system message, a
-    function call joined to the assistant turn just before it, its output a tool message."""
+    function call joined to the assistant turn just before it, its output a tool message, a
+    reasoning item the `reasoning_content` of the assistant turn after it."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
+    reasoning: str | None = None  # a reasoning item's text, for the next assistant turn
     for item in items:
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            reasoning = item["text"] if reasoning is None else reasoning + "\n" + item["text"]
+        elif item["type"] == "message":
             messages.append({"role": item["role"], "content": item["content"]})
         elif item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if messages and messages[-1]["role"] == "assistant":
+            if messages and messages[-1]["role"] == "assistant" and reasoning is None:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        if reasoning is not None and item["type"] != "reasoning":
+            if messages[-1]["role"] == "assistant":
+                messages[-1]["reasoning_content"] = reasoning
+            reasoning = None
     return messages
 
 
@@ -187,6 +201,31 @@ class TextConfig(_Request):
     """Accepted no-op: the model has no verbosity control."""
 
 
+class ReasoningConfig(_Request):
+    """`reasoning`, for a model with a reasoning parser (server/reasoning.py; others: 400).
+    `effort` "none" turns the thinking off where the chat template can, other efforts leave
+    it on (no other control exists); `summary` may be "auto" (OpenAI's: summaries at the
+    model's discretion), and none is written: the thinking is returned whole, as the
+    reasoning item's `content`."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto"] | None = None
+    generate_summary: Literal["auto"] | None = None
+    """The deprecated name of `summary`."""
+
+    @field_validator("summary", "generate_summary", mode="before")
+    @classmethod
+    def _no_written_summaries(cls, value: Any) -> Any:
+        if value in ("concise", "detailed"):
+            raise ValueError(f"{value!r} summaries are not written here: the reasoning item carries the whole "
+                             "thinking as its content ('auto' or null accepted)")
+        return value
+
+    @property
+    def is_set(self) -> bool:
+        return any(v is not None for v in (self.effort, self.summary, self.generate_summary))
+
+
 class ResponsesRequest(_Request):
     """POST /v1/responses.
 
@@ -207,10 +246,11 @@ class ResponsesRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     store: bool | None = True
     stream: bool | None = False
-    metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA_PAIRS)] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     priority: int | None = Field(None, ge=-1000, le=1000)
     """vLLM's scheduling priority, as on the chat and completions endpoints (lower first;
@@ -300,6 +340,8 @@ class ResponsesRequest(_Request):
             "parallel_tool_calls": self.parallel_tool_calls,
             "priority": self.priority,
         }
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]
@@ -323,6 +365,7 @@ _CHAT_PARAMS = {
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
 }
 
 
@@ -355,16 +398,28 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
             "status": status}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking: whole, as one `reasoning_text` part (no summary is written)."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [reasoning_text_part(text)],
+            "encrypted_content": None, "status": status}
+
+
+def reasoning_text_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def as_input_item(item: dict[str, Any]) -> dict[str, Any]:
     """An output item in the normalized input shape, for the stored conversation."""
+    if item["type"] == "reasoning":
+        return {"type": "reasoning", "text": "".join(p["text"] for p in item["content"])}
     if item["type"] == "message":
         return {"type": "message", "role": "assistant", "content": "".join(p["text"] for p in item["content"])}
     return {"type": "function_call", "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
 
 
-def usage(num_input: int, num_cached: int, num_output: int) -> dict[str, Any]:
+def usage(num_input: int, num_cached: int, num_output: int, num_reasoning: int = 0) -> dict[str, Any]:
     return {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": num_cached},
-            "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": num_reasoning},
             "total_tokens": num_input + num_output}
 
 
@@ -392,7 +447,8 @@ def response_object(req: ResponsesRequest, response_id: str, model: str, created
         "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
-        "reasoning": None,
+        "reasoning": (None if req.reasoning is None or not req.reasoning.is_set
+                      else {"effort": req.reasoning.effort, "summary": req.reasoning.summary or req.reasoning.generate_summary}),
         "service_tier": "default",
         "store": req.store is not False,
         "temperature": 1.0 if req.temperature is None else req.temperature,

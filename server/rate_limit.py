@@ -10,7 +10,9 @@ its limit and then goes at the limit's pace:
   while the bucket holds fewer than its prompt's tokens), and its completion tokens as the
   engine produces them. Those are never refused: the bucket may go below zero (a debt
   that holds back the key's next requests), so a stream is never cut off by its own tokens;
-- concurrency counts requests from admission to the end of their response.
+- concurrency counts samples (a request's prompts x n, the rows the engine runs) from
+  admission to the end of their response: one request of 64 prompts x n=16 holds 1,024
+  places of a key's max_concurrent_requests, as 1,024 one-sample requests would.
 
 A refusal is `RateLimitExceeded` (the server answers 429 `rate_limit_exceeded` with
 `Retry-After` / `retry-after-ms`, which the OpenAI SDK waits for before it retries).
@@ -133,14 +135,19 @@ class KeyLimiter:
         bucket.resize(per_minute)
         return bucket
 
-    def admit_request(self) -> None:
-        """Take a request unit and a concurrency slot, or raise RateLimitExceeded. A key in
-        token debt is refused here too, before any tokenizing (every prompt has a token)."""
+    def admit_request(self, num_samples: int = 1) -> None:
+        """Take a request unit and `num_samples` concurrency places, or raise RateLimitExceeded
+        (ValueError when the request alone has more samples than the key's limit: no wait
+        would let it through). A key in token debt is refused here too, before any tokenizing
+        (every prompt has a token)."""
         limit = self.limits.max_concurrent_requests
-        if limit is not None and self.in_flight >= limit:
+        if limit is not None and num_samples > limit:
+            raise ValueError(f"the request has {num_samples} samples (prompts x n), more than this API key's "
+                             f"max_concurrent_requests ({limit})")
+        if limit is not None and self.in_flight + num_samples > limit:
             raise RateLimitExceeded(
-                "concurrency", f"this API key has {self.in_flight} requests in flight, its limit "
-                f"(max_concurrent_requests {limit}); retry when one finishes", CONCURRENCY_RETRY_AFTER_S)
+                "concurrency", f"this API key has {self.in_flight} samples in flight and asks for {num_samples} more, "
+                f"past its limit (max_concurrent_requests {limit}); retry when one finishes", CONCURRENCY_RETRY_AFTER_S)
         if self.requests is not None and (wait := self.requests.wait_s(1)) > 0:
             raise RateLimitExceeded(
                 "requests", f"rate limit reached for requests per minute: limit {self.limits.requests_per_minute}; "
@@ -152,7 +159,7 @@ class KeyLimiter:
                 wait)
         if self.requests is not None:
             self.requests.take(1)
-        self.in_flight += 1
+        self.in_flight += num_samples
 
     def refund_request(self) -> None:
         """Give back a request unit (the request was refused later, for its tokens)."""
@@ -179,9 +186,9 @@ class KeyLimiter:
         if self.tokens is not None and num_tokens > 0:
             self.tokens.take(num_tokens)
 
-    def release(self) -> None:
-        """A request admitted by admit_request ended (its concurrency slot frees)."""
-        self.in_flight = max(0, self.in_flight - 1)
+    def release(self, num_samples: int = 1) -> None:
+        """A request admitted by admit_request ended (its concurrency places free)."""
+        self.in_flight = max(0, self.in_flight - num_samples)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """OpenAI's x-ratelimit-* headers for the limits this key has."""

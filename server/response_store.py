@@ -6,8 +6,8 @@ that led to it (the input items of the whole chain, then its own output items), 
 continuation renders the same prompt prefix without walking a chain whose earlier links
 may already be gone - and so reuses the prefix cache.
 
-Bounds: at most `max_entries` responses (the least recently used one goes first) and each
-one lives `ttl_s` seconds after its last use. A response belongs to an owner (the API key
+Bounds: at most `max_entries` responses holding at most `max_bytes` together (as JSON; the
+least recently used ones go first) and each one lives `ttl_s` seconds after its last use. A response belongs to an owner (the API key
 that created it, or nobody when the server has no key); a lookup by another owner is the
 same 404 as an unknown id, so ids of other keys cannot be probed. Everything runs on the
 event loop: no locks.
@@ -51,11 +51,17 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """An LRU of `StoredResponse` bounded by count and by time since last use."""
+    """An LRU of `StoredResponse` bounded by count, by bytes and by time since last use."""
 
-    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+        max_bytes: int | None = None,
+    ) -> None:
         if max_entries < 0:
             raise ValueError(f"max_entries must be >= 0, got {max_entries}")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.max_entries = max_entries
@@ -70,14 +76,17 @@ class ResponseStore:
 
     def put(self, entry: StoredResponse) -> None:
         """Store `entry` (most recently used), evicting expired entries and then the least
-        recently used ones beyond `max_entries`. With `max_entries` 0 nothing is kept."""
+        recently used ones beyond `max_entries` or `max_bytes`. With `max_entries` 0 nothing
+        is kept, nor is an entry larger than `max_bytes` by itself."""
         self._expire()
         entry.num_bytes = len(json.dumps([entry.response, entry.conversation]))
         entry.expires_at = self._clock() + self.ttl_s
         self._drop(entry.id)
+        if self.max_bytes is not None and entry.num_bytes > self.max_bytes:
+            return  # it could only be kept by evicting everything else, and then not
         self._entries[entry.id] = entry
         self.num_bytes += entry.num_bytes
-        while len(self._entries) > self.max_entries:
+        while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.num_bytes > self.max_bytes):
             oldest = next(iter(self._entries))
             self._drop(oldest)
             self.num_evicted += 1

@@ -50,8 +50,8 @@ from server.errors import (
 from server.metrics import Metrics
 from server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo, parse_json_object
 from server.protocol_vllm import check_stop_token_ids, logit_bias_token_ids, num_logprobs, truncate_prompt
-from server.rate_limit import KeyLimiter, RateLimitExceeded, retry_after_headers
-from server.tenants import Tenant, request_tenant
+from server.rate_limit import CONCURRENCY_RETRY_AFTER_S, KeyLimiter, RateLimitExceeded, retry_after_headers
+from server.tenants import TENANT_QUEUE_RESERVE, Tenant, request_tenant
 
 logger = logging.getLogger("pagoda.server")
 T = TypeVar("T")
@@ -130,12 +130,18 @@ def prompt_entries(prompt: PromptInput, result: PromptResult) -> list[dict[int, 
 
 
 # ---- request bodies ----------------------------------------------------------------------------
+MAX_CONTENT_LENGTH_DIGITS = 18
+"""Longest Content-Length read (leading zeros count): past it the header is a 400."""
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The body, refusing more than `max_bytes` - by Content-Length before reading, and
     by counting while reading (chunked bodies have no Content-Length)."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        # ASCII digits only (str.isdigit() takes "²"), and few enough for int(): Python refuses
+        # to parse more than 4,300 digits, and no body this server takes has 19.
+        if not (declared.isascii() and declared.isdigit()) or len(declared) > MAX_CONTENT_LENGTH_DIGITS:
             raise InvalidRequestError("invalid Content-Length header")
         if int(declared) > max_bytes:
             raise RequestTooLargeError(f"the request body ({declared} bytes) exceeds the limit of {max_bytes} bytes")
@@ -193,6 +199,11 @@ class Admission:
         self.priority = priority
         """The scheduling priority the request runs at (lower first)."""
         self._slot_held = limiter is not None
+        self._num_samples = num_places
+        """What the key's concurrency limit counts until release_all."""
+        if self.tenant_name is not None:
+            reserved = serving.reserved_by_tenant
+            reserved[self.tenant_name] = reserved.get(self.tenant_name, 0) + num_places
 
     @property
     def tenant_name(self) -> str | None:
@@ -217,6 +228,11 @@ class Admission:
         self.num_tokens -= num_tokens
         self.serving.num_reserved -= num_places
         self.serving.num_reserved_tokens -= num_tokens
+        if self.tenant_name is not None and num_places:
+            reserved = self.serving.reserved_by_tenant
+            reserved[self.tenant_name] -= num_places
+            if not reserved[self.tenant_name]:
+                del reserved[self.tenant_name]
 
     def release_all(self) -> None:
         """The request is over (or never started): everything it held goes back, its
@@ -224,7 +240,7 @@ class Admission:
         self.release(self.num_places, self.num_tokens)
         if self._slot_held:
             self._slot_held = False
-            self.limiter.release()
+            self.limiter.release(self._num_samples)
 
 
 async def _admitted(
@@ -296,7 +312,8 @@ class OpenAIServing:
         self.config = config
         self.metrics = metrics
         self.model_name = config.served_model_name or engine.model_path.name
-        self.model_root = str(engine.model_path)
+        # The folder's name, not its path: where the server keeps its files is no client's business.
+        self.model_root = engine.model_path.name
         self.vocab_size = engine.vocab_size
         self.max_model_len = engine.max_model_len
         # Tokens the KV cache holds: a request longer than that could never run.
@@ -305,6 +322,8 @@ class OpenAIServing:
         # Read before the engine loop starts: the tokenizer is the engine thread's after that.
         self.special_ids = frozenset(engine.tokenizer.all_special_ids)
         self.num_reserved = 0
+        self.reserved_by_tenant: dict[str, int] = {}
+        """Named key -> its queue places admitted but not yet handed to the engine (`Admission`)."""
         """Queue places admitted but not yet handed to the engine (see Admission)."""
         self.num_reserved_tokens = 0
         """Prompt tokens admitted but not yet handed to the engine."""
@@ -312,6 +331,9 @@ class OpenAIServing:
         """Set on SIGTERM (server/shutdown.py): new requests get 503, /health too."""
         self.keys = None
         """The API keys (server/tenants.py `KeyRegistry`), set by build_app."""
+        self.lora = None
+        """The LoRA adapters a request's `model` may name (server/serving_lora.py `LoraServing`),
+        set by build_app when LoRA is on."""
         self.engine_death_logged = False
         self.tokenizers = TokenizerPool(engine.tokenizer, config.tokenizer_threads)
         engine.set_grammar_compile_hook(metrics.on_grammar_compiled)
@@ -319,6 +341,9 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
+            if self.lora is not None:
+                self.lora.lora_request(model)  # a loaded adapter, else 404
+                return
             raise ModelNotFoundError(
                 f"the model {model!r} does not exist; this server serves {self.model_name!r}", param="model"
             )
@@ -355,14 +380,41 @@ class OpenAIServing:
         tenant, limiter = request_tenant(request.scope.get("state", {})) if request is not None else (None, None)
         priority = self.resolve_priority(priority, tenant)
         name = None if tenant is None else tenant.name
+        if name is not None:
+            self._check_tenant_share(name, num_children)
         if limiter is not None:
             try:
-                limiter.admit_request()
+                limiter.admit_request(num_children)
             except RateLimitExceeded as e:
                 raise self._rate_limited(name, e) from None
+            except ValueError as e:  # more samples than the key may ever have in flight
+                raise InvalidRequestError(str(e), param="n") from None
         if name is not None:
             self.metrics.record_tenant_request(name)
         return Admission(self, num_children, tenant, limiter, priority)
+
+    @property
+    def tenant_queue_share(self) -> int:
+        """The most samples one named key may have unfinished: the queue bound less a
+        quarter of it, which stays open to the other keys (TENANT_QUEUE_RESERVE)."""
+        limit = self.engine.max_waiting_requests
+        return max(1, limit - int(limit * TENANT_QUEUE_RESERVE))
+
+    def _check_tenant_share(self, name: str, num_samples: int) -> None:
+        """One key cannot fill the queue: past its share, its requests wait (429) while the
+        other keys' are still admitted; a request larger than the share never fits (400)."""
+        share = self.tenant_queue_share
+        if num_samples > share:
+            raise InvalidRequestError(
+                f"the request asks for {num_samples} samples (prompts x n) but one API key may have at most "
+                f"{share} unfinished on this server", param="n")
+        held = self.engine.unfinished_by_tenant.get(name, 0) + self.reserved_by_tenant.get(name, 0)
+        if held + num_samples > share:
+            self.metrics.record_tenant_rejection(name, "queue_share")
+            raise RateLimitError(
+                f"this API key has {held} samples unfinished and asks for {num_samples} more, past its share of the "
+                f"queue ({share} of {self.engine.max_waiting_requests}); retry when some finish", "requests",
+                retry_after_headers(CONCURRENCY_RETRY_AFTER_S))
 
     def resolve_priority(self, requested: int | None, tenant: Tenant | None) -> int:
         """The priority a request runs at: the one it asks for, else its key's. A named key's
@@ -421,6 +473,8 @@ class OpenAIServing:
             raise InvalidRequestError(f"n must be at most {self.config.max_n}, got {req.n}", param="n")
         logit_bias = logit_bias_token_ids(req.logit_bias, self.vocab_size) if req.logit_bias else None
         check_stop_token_ids(req.stop_token_ids, self.vocab_size)
+        # Resolved here, where the request is admitted: an adapter unloaded since check_model is a 404, not the base.
+        lora_request = self.lora.lora_request(req.model, count=True) if self.lora is not None else None
         try:
             return SamplingParams(
                 n=req.n,
@@ -445,6 +499,7 @@ class OpenAIServing:
                 structured_output=structured_output,
                 use_beam_search=bool(req.use_beam_search),
                 length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+                lora_request=lora_request,
             )
         except ValueError as e:
             if str(e).startswith("structured_output"):  # beam search: name the field that asked for a grammar
@@ -460,7 +515,10 @@ class OpenAIServing:
         try:
             await self.engine.prepare_structured_output(spec, self.config.grammar_compile_timeout_s)
         except GrammarError as e:
-            raise InvalidRequestError(str(e), param=e.param) from e
+            # Compiles are shared and cached by content, failures included: the error may
+            # have been raised for an earlier request that sent the same grammar in another
+            # field, so the field to name is this request's.
+            raise InvalidRequestError(str(e), param=spec.param or e.param) from e
         self.metrics.record_structured_request(kind or spec.kind)
 
     def fit_open_max_tokens(self, token_ids: list[int], params: SamplingParams, prompt_param: str) -> SamplingParams:

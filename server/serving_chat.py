@@ -19,6 +19,7 @@ stops the sample, which finishes with "tool_calls" (server/tools/guard.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from contextlib import aclosing
@@ -42,12 +43,14 @@ from server.protocol import (
     ChatResponseMessage,
     ChatResponseToolCall,
     ChatStreamChoice,
+    CompletionTokensDetails,
     FunctionCallOut,
     Tool,
     chat_logprobs,
     structured_output_spec,
 )
 from server.protocol_vllm import chat_echo_prefix, prompt_logprobs_out
+from server.reasoning import ReasoningParser, reasoning_parser
 from server.serving import (
     Admission,
     OpenAIServing,
@@ -133,8 +136,10 @@ class ToolCallReader:
 def render_chat(
     tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
     tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The prompt's token ids: the messages (and tools) through the chat template."""
+    """The prompt's token ids: the messages (and tools) through the chat template, with
+    `template_kwargs` as extra template variables (e.g. `enable_thinking`)."""
     conversation = [m.for_template() for m in messages]
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:  # e.g. a base model's GGUF file: completions work, chat needs a template
@@ -147,6 +152,7 @@ def render_chat(
         text = tokenizer.apply_chat_template(
             conversation, tools=tools_arg, chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
     except (jinja2.TemplateError, ValueError, TypeError) as e:
         # The template's own raise_exception (e.g. "roles must alternate") and a missing template.
@@ -168,6 +174,11 @@ class ChatServing:
         # Read before the engine loop starts: the tokenizer is the engine thread's after that.
         added = serving.engine.tokenizer.get_added_vocab()
         self.special_tool_tags = tuple(t for t in _TOOL_TAGS if t in added)
+        self.reasoning: ReasoningParser | None = reasoning_parser(
+            config.reasoning_parser, serving.engine.tokenizer,
+            self.chat_template or getattr(serving.engine.tokenizer, "chat_template", None),
+        )
+        """The model's thinking form (--reasoning-parser); None: no thinking is separated."""
 
     async def create_chat_completion(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -196,6 +207,7 @@ class ChatServing:
         for c in finals[0]:
             num_completion_tokens += len(c.token_ids)
             message, finish_reason = self._message(c, readers[c.index] if readers is not None else None)
+            message.reasoning_content = message.reasoning = c.reasoning_text
             if echo_prefix:
                 message.content = echo_prefix + (message.content or "")
             choices.append(
@@ -211,13 +223,32 @@ class ChatServing:
             )
         num_prompt_logprobs = serving.num_logprobs(req.prompt_logprobs, "prompt_logprobs")
         response = ChatCompletionResponse(
-            id=request_id, created=created, model=serving.model_name, choices=choices,
-            usage=serving.usage([prompt], results, num_completion_tokens),
+            id=request_id, created=created, model=req.model or serving.model_name, choices=choices,
+            usage=self._usage(prompt, results, num_completion_tokens, sum(c.num_reasoning_tokens for c in finals[0])),
             prompt_logprobs=(None if num_prompt_logprobs is None
                              else prompt_logprobs_out(prompt_entries(prompt, results[0]), num_prompt_logprobs)),
             prompt_token_ids=prompt.token_ids if req.return_token_ids else None,
         )
         return json_response(response)
+
+    def _usage(self, prompt: PromptInput, results: list[PromptResult], num_completion_tokens: int,
+               num_reasoning_tokens: int):
+        """The usage, with `completion_tokens_details.reasoning_tokens` when the model thinks."""
+        usage = self.serving.usage([prompt], results, num_completion_tokens)
+        if self.reasoning is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=num_reasoning_tokens)
+        return usage
+
+    def _template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """The request's extra chat-template variables: its `chat_template_kwargs`, and the
+        switch that turns thinking off for `reasoning_effort: "none"`."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        if self.reasoning is not None and req.reasoning_effort == "none" and "enable_thinking" not in kwargs:
+            try:
+                kwargs |= self.reasoning.template_kwargs(enabled=False)
+            except ValueError as e:
+                raise InvalidRequestError(f"reasoning_effort 'none': {e}", param="reasoning_effort") from e
+        return kwargs
 
     def _top_k(self, req: ChatCompletionRequest) -> int:
         """The alternatives per token `top_logprobs` asks for (-1: the vocabulary), within --max-logprobs."""
@@ -273,15 +304,30 @@ class ChatServing:
         serving = self.serving
         token_ids = render_chat(
             tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-            tools.tools if tools.active else None, self.chat_template,
+            tools.tools if tools.active else None, self.chat_template, self._template_kwargs(req),
         )
         if not token_ids:
             raise InvalidRequestError("the messages render to no tokens", param="messages")
+        if self.reasoning is not None:
+            params = self._with_thinking(tokenizer, token_ids, req, params)
         token_ids = serving.truncate(token_ids, req)
         if params.max_tokens is None:
             params = serving.fit_open_max_tokens(token_ids, params, "messages")
         serving.validate_prompt(token_ids, params, "messages")
         return [PromptInput(token_ids, None, params)]
+
+    def _with_thinking(
+        self, tokenizer: Any, token_ids: list[int], req: ChatCompletionRequest, params: SamplingParams
+    ) -> SamplingParams:
+        """`params` with the prompt's thinking section (engine/thinking.py), so that the
+        reply's thinking is reported apart and the grammar and tool calls see the answer."""
+        budget = req.thinking_budget
+        if params.use_beam_search:
+            if budget is not None:
+                param = "thinking_token_budget" if req.thinking_token_budget is not None else "max_reasoning_tokens"
+                raise InvalidRequestError(f"{param} cannot be used with use_beam_search", param=param)
+            return params  # beams are ranked on whole outputs: the thinking stays in the content
+        return dataclasses.replace(params, thinking=self.reasoning.thinking_spec(tokenizer, token_ids, budget))
 
     def _message(self, c: CompletionOutput, reader: ToolCallReader | None) -> tuple[ChatResponseMessage, str | None]:
         """The choice's message and finish reason: the tool calls `reader` read out of the
@@ -304,6 +350,7 @@ class ChatServing:
         num_logprobs_sent = [0] * req.n
         num_token_ids_sent = [0] * req.n
         num_tokens = [0] * req.n
+        num_reasoning_tokens = [0] * req.n
         finished = [False] * req.n  # the choice's finish chunk went out
         result = PromptResult()
 
@@ -311,7 +358,7 @@ class ChatServing:
                   token_ids=None, prompt_token_ids=None) -> bytes:
             return sse_event(
                 ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=serving.model_name,
+                    id=request_id, created=created, model=req.model or serving.model_name,
                     choices=[ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                               stop_reason=stop_reason, token_ids=token_ids)],
                     prompt_token_ids=prompt_token_ids,
@@ -359,6 +406,12 @@ class ChatServing:
                     if req.return_token_ids:
                         token_ids = list(c.token_ids[num_token_ids_sent[c.index]:])
                         num_token_ids_sent[c.index] = len(c.token_ids)
+                    num_reasoning_tokens[c.index] = c.num_reasoning_tokens
+                    if thinking := c.delta_reasoning_text:
+                        # Before the step's answer text: the thinking came first. Both names (vLLM's old and new).
+                        yield chunk(c.index, {"reasoning_content": thinking, "reasoning": thinking}, logprobs,
+                                    token_ids=token_ids)
+                        logprobs = token_ids = None
                     for event in text_chunks(c.index, c, logprobs, token_ids):
                         yield event
                     reader = readers[c.index] if readers is not None else None
@@ -372,8 +425,8 @@ class ChatServing:
         if req.include_usage:
             yield sse_event(
                 ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=serving.model_name, choices=[],
-                    usage=serving.usage([prompt], [result], sum(num_tokens)),
+                    id=request_id, created=created, model=req.model or serving.model_name, choices=[],
+                    usage=self._usage(prompt, [result], sum(num_tokens), sum(num_reasoning_tokens)),
                 )
             )
 

@@ -142,7 +142,7 @@ class CompletionServing:
                     )
                 )
         response = CompletionResponse(
-            id=request_id, created=created, model=serving.model_name, choices=choices,
+            id=request_id, created=created, model=req.model or serving.model_name, choices=choices,
             usage=serving.usage(prompts, results, num_completion_tokens),
         )
         return json_response(response)
@@ -231,7 +231,7 @@ class CompletionServing:
                 return None
             return sse_event(
                 CompletionStreamResponse(
-                    id=request_id, created=created, model=serving.model_name,
+                    id=request_id, created=created, model=req.model or serving.model_name,
                     choices=[CompletionStreamChoice(index=i * n + c.index, text=text, logprobs=logprobs,
                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                                     prompt_token_ids=prompt_token_ids, token_ids=token_ids)],
@@ -261,7 +261,7 @@ class CompletionServing:
         if req.include_usage:
             yield sse_event(
                 CompletionStreamResponse(
-                    id=request_id, created=created, model=serving.model_name, choices=[],
+                    id=request_id, created=created, model=req.model or serving.model_name, choices=[],
                     usage=serving.usage(prompts, results, sum(c.num_tokens for c in choices)),
                 )
             )

@@ -15,6 +15,10 @@ item `output_item.added`, (`content_part.added`, `output_text.delta`...,
 `function_call_arguments.done`), `output_item.done`, and last `response.completed`,
 `response.incomplete` (max_output_tokens) or `response.failed`. There is no `[DONE]`.
 
+A reasoning model's thinking (server/reasoning.py) comes first, as a `reasoning` item whose
+one `reasoning_text` part holds it whole (no summary is written), streamed as
+`content_part.added`, `reasoning_text.delta`..., `reasoning_text.done`, `content_part.done`.
+
 With `store` (the default) a finished response and its conversation go into the bounded
 store (server/response_store.py) under the caller's owner, before the last event is sent.
 """
@@ -31,7 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from engine.outputs import CompletionOutput, RequestOutput
-from server.errors import APIError, to_api_error, validation_error
+from server.errors import APIError, InvalidRequestError, to_api_error, validation_error
 from server.protocol import ChatCompletionRequest
 from server.protocol_responses import (
     ResponsesRequest,
@@ -41,6 +45,8 @@ from server.protocol_responses import (
     message_item,
     new_id,
     output_text_part,
+    reasoning_item,
+    reasoning_text_part,
     response_object,
     responses_param,
     usage,
@@ -80,12 +86,36 @@ class _Output:
     with tools a message item opens at the first text that is not blank (blank text around
     calls is dropped), and a reply with neither text nor calls is one empty message."""
 
-    def __init__(self, always_message: bool) -> None:
+    def __init__(self, always_message: bool, thinking: bool = False) -> None:
         self.items: list[dict[str, Any]] = []
         self.done: list[bool] = []
         self._blank = ""
         self._calls: dict[int, int] = {}  # parser call index -> output index
-        self.events: list[dict[str, Any]] = self._open_message() if always_message else []
+        self._always_message = always_message
+        # A thinking model's message opens after its reasoning item, at its first text.
+        self.events: list[dict[str, Any]] = self._open_message() if always_message and not thinking else []
+
+    def reasoning(self, text: str) -> None:
+        """Thinking text: into the reasoning item, opened at the first."""
+        if not text:
+            return
+        index = self._open("reasoning")
+        if index is None:
+            item = reasoning_item(new_id("rs"), "", "in_progress")
+            self.items.append(item)
+            self.done.append(False)
+            index = len(self.items) - 1
+            self.events += [
+                {"type": "response.output_item.added", "output_index": index, "item": {**_copy(item), "content": []}},
+                {"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
+                 "content_index": 0, "part": reasoning_text_part("")}]
+        item = self.items[index]
+        item["content"][0]["text"] += text
+        self.events.append({"type": "response.reasoning_text.delta", "item_id": item["id"], "output_index": index,
+                            "content_index": 0, "delta": text})
+
+    def _has_message(self) -> bool:
+        return any(item["type"] == "message" for item in self.items)
 
     def _open_message(self) -> list[dict[str, Any]]:
         item = message_item(new_id("msg"), "", "in_progress")
@@ -110,6 +140,10 @@ class _Output:
 
     def _text(self, text: str) -> None:
         index = self._open("message")
+        if index is None and self._always_message and not self._has_message():
+            self.close_last("completed")  # the thinking before it
+            self.events += self._open_message()
+            index = len(self.items) - 1
         if index is None:
             if not (self._blank + text).strip():
                 self._blank += text
@@ -154,6 +188,11 @@ class _Output:
             base = {"item_id": item["id"], "output_index": index, "content_index": 0}
             self.events += [{"type": "response.output_text.done", **base, "text": part["text"], "logprobs": []},
                             {"type": "response.content_part.done", **base, "part": _copy(part)}]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            base = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            self.events += [{"type": "response.reasoning_text.done", **base, "text": part["text"]},
+                            {"type": "response.content_part.done", **base, "part": _copy(part)}]
         else:
             self.events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
                                 "output_index": index, "name": item["name"], "arguments": item["arguments"]})
@@ -161,7 +200,9 @@ class _Output:
 
     def finish(self, finish_reason: str | None) -> list[dict[str, Any]]:
         """Close the reply: the output items (an empty message when there is nothing)."""
-        if not self.items:
+        if not self.items or (self._always_message and not self._has_message()) or self._open("reasoning") is not None:
+            # After thinking that never ended or nothing but thinking: the (empty) answer.
+            self.close_last("incomplete" if finish_reason == "length" else "completed")
             self.events += self._open_message()
         self.close_last("incomplete" if finish_reason == "length" else "completed")
         return self.items
@@ -191,16 +232,19 @@ class ResponsesServing:
         serving = self.serving
         req = await read_request(request, ResponsesRequest, serving.config.max_body_bytes)
         serving.check_model(req.model)
+        if req.reasoning is not None and req.reasoning.is_set and self.chat.reasoning is None:
+            raise InvalidRequestError("this model has no reasoning mode (the server has no --reasoning-parser for it)",
+                                      param="reasoning")
         owner = request_owner(request)
         conversation = list(req.items)
         if req.previous_response_id is not None:
             previous = self.store.get(req.previous_response_id, owner, param="previous_response_id")
             conversation = previous.conversation + conversation
         with _responses_params():
-            chat_req = ChatCompletionRequest.model_validate(req.to_chat_request(conversation))
+            chat_req = ChatCompletionRequest.model_validate({**req.to_chat_request(conversation), "model": req.model})
             tools, admission, prompt = await self.chat.admit_prompt(chat_req, request)
         response_id = new_id("resp")
-        response = response_object(req, response_id, serving.model_name)
+        response = response_object(req, response_id, req.model or serving.model_name)
         stream = serving.start_streams(response_id, [prompt], None, admission, arrival, ENDPOINT)
         reader = self.chat.tool_call_reader(tools, response_id, 0) if tools.active else None
         record = (req, owner, conversation)
@@ -213,7 +257,8 @@ class ResponsesServing:
         finally:
             admission.release_all()
         c = finals[0][0]
-        output = _Output(always_message=reader is None)
+        output = _Output(always_message=reader is None, thinking=self.chat.reasoning is not None)
+        output.reasoning(c.reasoning_text or "")
         output.feed(reader.deltas if reader is not None else [ContentDelta(c.text)] if c.text else [])
         finish_reason = _finish_reason(reader, c)
         items = output.finish(finish_reason)
@@ -233,7 +278,7 @@ class ResponsesServing:
 
         yield event({"type": "response.created", "response": response})
         yield event({"type": "response.in_progress", "response": response})
-        output = _Output(always_message=reader is None)
+        output = _Output(always_message=reader is None, thinking=self.chat.reasoning is not None)
         result = PromptResult()
         last: CompletionOutput | None = None
         try:
@@ -242,6 +287,7 @@ class ResponsesServing:
                     result.update(out)
                     for c in out.outputs:
                         last = c
+                        output.reasoning(c.delta_reasoning_text)
                         output.feed(_deltas(reader, c))
                     for body in output.take_events():
                         yield event(body)
@@ -265,7 +311,7 @@ class ResponsesServing:
     def _usage(self, prompt: PromptInput, result: PromptResult, c: CompletionOutput) -> dict[str, Any]:
         u = self.serving.usage([prompt], [result], len(c.token_ids))
         cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
-        return usage(u.prompt_tokens, cached, u.completion_tokens)
+        return usage(u.prompt_tokens, cached, u.completion_tokens, c.num_reasoning_tokens)
 
     def _keep(self, response: dict[str, Any], record: tuple[ResponsesRequest, str, list[dict[str, Any]]]) -> None:
         req, owner, conversation = record

@@ -6,8 +6,8 @@ it: lm-eval's `local-completions` with `tokenizer_backend=remote` (or `auto`, wh
 template from here and tokenizes through /tokenize and /detokenize.
 
 The body is the tokenizer's `init_kwargs` (what tokenizer_config.json set) as JSON, as
-vLLM's `TokenizerInfo` returns them: special tokens as their text, the file paths left out,
-and `tokenizer_class` (the Python class's name). Pagoda adds, where vLLM's may lack them:
+vLLM's `TokenizerInfo` returns them: special tokens as their text, the file paths left out
+(`name_or_path` is the folder's name only), and `tokenizer_class` (the Python class's name). Pagoda adds, where vLLM's may lack them:
 the special tokens as the tokenizer holds them now, the chat template the server renders
 (`--chat-template`'s file, else the model's own) and `max_model_len`, the server's limit
 (`model_max_length` stays the tokenizer's own, often a placeholder such as 1e30).
@@ -15,6 +15,7 @@ the special tokens as the tokenizer holds them now, the chat template the server
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -46,6 +47,9 @@ def tokenizer_config(tokenizer: Any, chat_template: str | None, max_model_len: i
         if not name.endswith("_file")
     }
     config = _jsonable(config)
+    if isinstance(config.get("name_or_path"), str):
+        # The folder's name, not the server's path to it (as /v1/models' `root`).
+        config["name_or_path"] = PurePath(config["name_or_path"]).name
     for name in _SPECIAL_TOKENS:
         token = getattr(tokenizer, name, None)
         if token is not None:

@@ -95,6 +95,16 @@ def tiny_model_path(tmp_path_factory, default_model_files):
     return path
 
 
+@pytest.fixture(scope="session")
+def thinking_model_path(tmp_path_factory, default_model_files):
+    """A tiny Qwen3 with Qwen3's chat template and think tokens that follows THINKING_SCRIPT
+    (tests/tiny_models.py `make_thinking_model_folder`)."""
+    from tiny_models import THINKING_SCRIPT, make_thinking_model_folder
+
+    return make_thinking_model_folder(tmp_path_factory.mktemp("tiny-thinking-qwen3"), default_model_files,
+                                      THINKING_SCRIPT)
+
+
 @pytest.fixture
 def record_schedules():
     """`record(core)` wraps the core's Scheduler.schedule for this test and returns the list

@@ -107,6 +107,27 @@ def hf_greedy(
     return out
 
 
+def make_lora_adapter(base_path: Path, out: Path, seed: int, rank: int = 4, alpha: int = 8, rslora: bool = False,
+                      targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj")) -> Path:
+    """A random PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, saved by
+    peft) of the model at `base_path`; A and B both random, large enough to change the tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets),
+                        init_lora_weights=False, lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.5)
+    peft_model.save_pretrained(str(out))
+    return Path(out)
+
+
 def check_engine_equals_hf(path: Path, prompt_ids: list[list[int]], expected: list[list[int]], record_schedules,
                            **engine_args) -> None:
     """The engine's greedy tokens (ignore_eos) equal `expected` with a KV cache and token
@@ -124,3 +145,69 @@ def check_engine_equals_hf(path: Path, prompt_ids: list[list[int]], expected: li
     for i, (out, exp) in enumerate(zip(outs, expected)):
         assert out.outputs[0].token_ids == exp, f"prompt {i} ({len(prompt_ids[i])} tokens)"
     assert core.block_manager.num_free_blocks == core.num_blocks
+
+
+THINKING_SCRIPT = {
+    "\n": "<think>", "<think>": " ok", " ok": " so", " so": " well", " well": "</think>",
+    "</think>": " The", " The": " answer", " answer": "<eos>", "\n\n": " The",
+}
+"""What the thinking model says (token -> next token): Qwen3's generation prompt ends with
+"\n", so it thinks " ok so well" and answers " The answer"; a prompt that closed the
+thinking (`enable_thinking: false` ends it with "\n\n") gets the answer alone."""
+
+
+QWEN3_CHAT_TEMPLATE = Path(__file__).resolve().parent / "data" / "qwen3_chat_template.jinja"
+"""Qwen3's own chat template (as llama.cpp's models/templates/Qwen-Qwen3-0.6B.jinja holds it)."""
+
+
+def make_thinking_model_folder(path: Path, tokenizer_dir: Path, script: dict[str, str]) -> Path:
+    """A tiny Qwen3 that thinks on cue: Qwen3's chat template, `<think>` and `</think>` added
+    to the SmolLM2 tokenizer in `tokenizer_dir` (as Qwen3 has them: added, not special), and
+    weights that make it a bigram model following `script` (token text -> next token text,
+    "<eos>" for `<|im_end|>`), e.g. the generation prompt's last token -> `<think>`.
+
+    Attention and MLP outputs are zero, so the last hidden state is the current token's
+    embedding: script token i embeds as the unit vector e_i, and the LM head maps e_i to its
+    successor with a margin no sampling temperature overturns. Any other token predicts
+    nothing in particular (all logits 0), which a grammar's mask then decides."""
+    import shutil
+
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_dir) / name, path / name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE.read_text()
+    tokenizer.save_pretrained(path)
+
+    def token_id(text: str) -> int:
+        if text == "<eos>":
+            return tokenizer.convert_tokens_to_ids("<|im_end|>")
+        [token] = tokenizer.encode(text, add_special_tokens=False)
+        return token
+
+    hidden = 64
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen3Config(
+        vocab_size=len(tokenizer) + 6, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    sources = list(script)
+    assert len(sources) <= hidden
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for i, source in enumerate(sources):
+            model.model.embed_tokens.weight[token_id(source), i] = 1.0
+            model.lm_head.weight[token_id(script[source]), i] = 10.0
+    model.save_pretrained(path)
+    return path

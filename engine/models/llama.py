@@ -254,6 +254,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)), gate and up in one fused GEMM."""
 
+    # The LoRA manager whose hooks add deltas to this MLP's linears (engine/lora.py); None: LoRA off.
+    lora = None
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.intermediate_size = args.intermediate_size
@@ -264,7 +267,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
         if (self.act is F.silu and type(gate_up) is Linear and type(down) is Linear and gate_up.gemv_runs(x)
-                and down.gemv_max_rows and gate_up.bias is None and down.bias is None):
+                and down.gemv_max_rows and gate_up.bias is None and down.bias is None
+                and (self.lora is None or not self.lora.active)):  # the one C++ call has no LoRA hook points
             # Decode rows in bf16 where both linears run the GEMV: the whole MLP in one C++
             # call (same rounding as the eager ops below, without their per-op overhead).
             return bf16_silu_mlp(x, gate_up.weight, down.weight, gate_up.gemv_max_rows >= ALL_ROWS)
@@ -440,6 +444,9 @@ class LlamaForCausalLM(nn.Module):
 
     norm_class: type[nn.Module] = RMSNorm
     layer_class: type[nn.Module] = DecoderLayer
+    # The LoRA manager (engine/lora.py), set when LoRA is on: a step with LoRA rows cannot
+    # run the fused C++ decode call, whose linears have no hook points.
+    lora = None
 
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
@@ -483,7 +490,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states of the tokens at `meta.logits_indices`."""
         if self.fused_decode is not None and self.fused_decode.runs(input_ids, kv_caches, ops):
-            return self.fused_decode(input_ids, positions, kv_caches, meta)  # the lookup and the final norm included
+            if self.lora is None or not self.lora.active:
+                return self.fused_decode(input_ids, positions, kv_caches, meta)  # the lookup and the final norm included
+            self.lora.note_fused_fallback()
         x = self.embed(input_ids)
         ropes = self.layer_ropes(positions)
         with ops.forward_scope():  # the layers share this step's metadata (and what ops derive from it)
@@ -509,6 +518,8 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_decode
         if fused is None or fused.lm_head is None or not fused.runs(input_ids, kv_caches, ops):
             return None
+        if self.lora is not None and self.lora.active:
+            return None  # the per-layer forward applies the LoRA deltas (`forward`)
         return fused(input_ids, positions, kv_caches, meta, logits=True)
 
     def final_norm(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:

@@ -130,7 +130,43 @@ class LLGuidanceBackend(GrammarBackend):
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GrammarError(f"invalid {_KIND_NAMES[spec.kind]}: {matcher.get_error()}", spec.param)
+        self._probe(matcher.deep_copy(), spec)
         return _Compiled(matcher)
+
+    def _probe(self, matcher: llguidance.LLMatcher, spec: StructuredOutputSpec) -> None:
+        """Follow the grammar for its first PROBE_TOKENS tokens (each time the lowest-id
+        token it allows, EOS last): a grammar that compiles but whose matcher fails on the
+        way (a cyclic `$ref`, an `anyOf` of thousands of branches past the parser's row
+        limit) is refused here, as a 400, instead of ending a request early with "stop"
+        and output that breaks its schema."""
+        bitmask = self.allocate_bitmask(1)
+        for _ in range(PROBE_TOKENS):
+            if matcher.is_stopped():
+                return
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+            if not matcher.is_error():
+                token = self._first_allowed(bitmask[0].tolist())
+                if token is None:
+                    return  # only EOS (or nothing) from here: the output is complete
+                matcher.consume_token(token)
+            if matcher.is_error():
+                reason = " ".join(matcher.get_error().replace("<non-verbose/>", "").split())
+                raise GrammarError(
+                    f"invalid {_KIND_NAMES[spec.kind]}: it compiles, but no output can follow it ({reason})", spec.param)
+
+    def _first_allowed(self, words: list[int]) -> int | None:
+        """The lowest token id other than EOS that a bitmask row (int32 words) allows."""
+        for w, word in enumerate(words):
+            word &= 0xFFFFFFFF
+            while word:
+                low = word & -word
+                token = w * 32 + low.bit_length() - 1
+                if token >= self.vocab_size:
+                    return None
+                if token not in self._eos_token_ids:
+                    return token
+                word ^= low
+        return None
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return torch.full(llguidance.torch.get_bitmask_shape(num_rows, self.vocab_size), -1, dtype=torch.int32)
@@ -139,6 +175,9 @@ class LLGuidanceBackend(GrammarBackend):
         pairs = [(m.matcher, i) for i, m in enumerate(matchers)]  # type: ignore[attr-defined]
         llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
 
+
+PROBE_TOKENS = 8
+"""Tokens a new grammar is followed for at compile time (`LLGuidanceBackend._probe`)."""
 
 _KIND_NAMES = {
     "json": "JSON schema",

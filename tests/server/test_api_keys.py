@@ -195,6 +195,50 @@ def test_max_concurrent_requests_429_then_the_sdk_retry_succeeds(url, model, hel
     assert done["status"] == 200 and [line for line in done["lines"] if line][-1] == "data: [DONE]"
 
 
+def test_limits_and_the_queue_count_samples_and_one_key_cannot_fill_the_queue(url, model, helpers):
+    """A request's samples (prompts x n) count against its key's max_concurrent_requests and
+    against the queue, where one key may hold at most three quarters of --max-waiting-requests
+    (1,024 here): while one key's 768 samples are queued, another key's request still runs."""
+    r = _complete(url, model, "conc-key", n=2)  # max_concurrent_requests 1: two samples never fit
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = _complete(url, model, "open-key", prompt=["Count:"] * 64, n=16)  # 1,024 samples: past one key's share
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    # Long enough to stay unfinished while the rest of the test runs; the client gives up
+    # after a few seconds, which aborts what is left of it.
+    body = {"model": model, "prompt": ["Count:"] * 48, "n": 16, "max_tokens": 400, "ignore_eos": True}
+    big = threading.Thread(target=_post_and_give_up, args=(url, body, "open-key", 6.0))
+    big.start()
+    try:
+        deadline = time.monotonic() + 30
+        while _queued(helpers, url) < 700:  # most of its 768 samples are in the engine
+            assert time.monotonic() < deadline and big.is_alive(), _queued(helpers, url)
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        other = _complete(url, model, "gone-key")
+        latency = time.monotonic() - t0
+        assert other.status_code == 200, other.text  # before: 503 queue_full
+        more = _complete(url, model, "open-key")
+        assert more.status_code == 429 and "share of the queue" in more.json()["error"]["message"], more.text
+    finally:
+        big.join(60)
+    print(f"another key's request while 768 samples were queued: {latency:.2f} s")
+    assert latency < 15, latency  # the fair scheduler runs it before the queued samples
+    assert helpers.idle(helpers.wait_idle(url)), "KV blocks still in use after the big request was given up"
+
+
+def _queued(helpers, url) -> float:
+    metrics = helpers.scrape_metrics(url)
+    return metrics.get("pagoda:num_requests_running", 0) + metrics.get("pagoda:num_requests_waiting", 0)
+
+
+def _post_and_give_up(url, body, key, after_s) -> None:
+    try:
+        httpx.post(f"{url}/v1/completions", headers=_auth(key), json=body,
+                   timeout=httpx.Timeout(after_s, connect=10))
+    except httpx.TimeoutException:
+        pass
+
+
 def test_per_key_metrics_carry_names_never_keys(url, model, helpers):
     text = httpx.get(f"{url}/metrics", timeout=10).text
     for key in PLAIN_KEYS:
@@ -262,6 +306,33 @@ def test_sighup_reload_adds_and_removes_keys_while_a_removed_keys_stream_finishe
     assert sum(len(e["choices"]) and 1 for e in events[:-1] if e["choices"] and e["choices"][0]["text"]) > 0
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert "added: new; removed: gone" in keyed_server.log_tail()
+
+
+def test_sighup_reload_of_a_large_file_does_not_hold_up_the_server(keyed_server, keys_file, url, model):
+    """6,000 keys took seconds to parse on the event loop: /health keeps answering meanwhile."""
+    extra = [{"name": f"bulk-{i}", "key": f"bulk-key-{i}", "requests_per_minute": 1000} for i in range(6000)]
+    new_keys = {"keys": [k for k in KEYS["keys"] if k["name"] != "gone"] + [{"name": "new", "key": "new-key"}] + extra}
+    _write_keys(keys_file, new_keys)
+    os.kill(keyed_server.proc.pid, signal.SIGHUP)
+    slowest = 0.0
+    deadline = time.monotonic() + 90
+    with httpx.Client(timeout=60) as http:
+        while http.post(f"{url}/tokenize", headers=_auth("bulk-key-5999"),
+                        json={"model": model, "prompt": "hi"}).status_code != 200:
+            assert time.monotonic() < deadline, keyed_server.log_tail()
+            t0 = time.monotonic()
+            assert http.get(f"{url}/health").status_code == 200
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.05)
+    print(f"slowest /health during the reload: {slowest:.3f} s")
+    assert slowest < 1.5, f"/health took {slowest:.1f} s during the reload"
+    assert _complete(url, model, "new-key").status_code == 200
+    # back to the small file (each request is checked against every key in force)
+    _write_keys(keys_file, {"keys": new_keys["keys"][:-len(extra)]})
+    os.kill(keyed_server.proc.pid, signal.SIGHUP)
+    while _complete(url, model, "bulk-key-0").status_code != 401:
+        assert time.monotonic() < deadline, keyed_server.log_tail()
+        time.sleep(0.1)
 
 
 def test_malformed_reload_keeps_the_keys_in_force(keyed_server, keys_file, url, model, helpers):

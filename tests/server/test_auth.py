@@ -160,3 +160,32 @@ def test_queue_full_gets_503_with_retry_after(auth_url, auth_model, helpers):
     # and the server takes requests again once the burst is over
     r = httpx.post(f"{auth_url}/v1/completions", headers=headers, json={**body, "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_anthropic_sdk_keys_and_overload(auth_url, auth_model):
+    """/v1/messages: the Anthropic SDK's x-api-key and Bearer token both work; a bad key and a
+    full queue come back in Anthropic's envelope, the full queue as its 529 overloaded_error."""
+    import anthropic
+
+    messages = [{"role": "user", "content": "Hi"}]
+    for client in (anthropic.Anthropic(base_url=auth_url, api_key=KEY, max_retries=0),  # x-api-key
+                   anthropic.Anthropic(base_url=auth_url, auth_token=KEY, max_retries=0)):  # Authorization: Bearer
+        assert client.messages.create(model=auth_model, max_tokens=2, messages=messages).usage.output_tokens == 2
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=auth_url, api_key="wrong", max_retries=0).messages.create(
+            model=auth_model, max_tokens=2, messages=messages)
+    assert e.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                       "message": "incorrect API key provided"}}
+    body = {"model": auth_model, "max_tokens": 12, "messages": [{"role": "user", "content": "Count to one hundred:"}]}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=auth_url, headers={"x-api-key": KEY}, timeout=120) as http:
+            return await asyncio.gather(*(http.post("/v1/messages", json=body) for _ in range(3 * MAX_WAITING)))
+
+    responses = asyncio.run(burst())
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) == {200, 529}, statuses
+    for r in responses:
+        if r.status_code == 529:
+            assert "retry-after" in r.headers, r.headers
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "overloaded_error", r.text

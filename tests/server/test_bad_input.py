@@ -46,6 +46,10 @@ def chat(**fields):
     return body
 
 
+def json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+
+
 def raw(text: str) -> bytes:
     return text.encode()
 
@@ -128,6 +132,27 @@ CASES = [
     C("logit_bias_non_integer_key", comp(logit_bias={"abc": 1.0}), param="logit_bias"),
     C("logit_bias_key_out_of_vocab", comp(logit_bias={"999999": 1.0}), param="logit_bias"),
     C("logit_bias_value_is_a_string", comp(logit_bias={"1": "high"}), param="logit_bias"),
+    # str.isdigit() takes these, int() refuses the first two and reads the others as 3 and 12
+    C("logit_bias_key_superscript_two", comp(logit_bias={"²": 1.0}), param="logit_bias"),
+    C("logit_bias_key_5000_digits", comp(logit_bias={"9" * 5000: 1.0}), param="logit_bias"),
+    C("logit_bias_key_arabic_indic_three", comp(logit_bias={"٣": 1.0}), param="logit_bias"),
+    C("logit_bias_key_fullwidth_twelve", comp(logit_bias={"１２": 1.0}), param="logit_bias"),
+    # ---- grammars that compile but cannot be followed: a 400, never a 200 "stop" that breaks them --
+    C("schema_anyof_2500_one_key_objects", chat(response_format=json_schema_format({"anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"],
+         "additionalProperties": False} for i in range(2500)]})),
+      param="response_format", path="/v1/chat/completions"),
+    C("schema_cyclic_ref", chat(response_format=json_schema_format(
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}})),
+      param="response_format", path="/v1/chat/completions"),
+    # ---- Responses metadata: OpenAI's limits (stored responses keep it) ------------------------
+    C("responses_metadata_17_pairs", {"model": "__MODEL__", "input": "hi", "metadata": {str(i): "v" for i in range(17)}},
+      param="metadata", path="/v1/responses"),
+    C("responses_metadata_key_65_chars", {"model": "__MODEL__", "input": "hi", "metadata": {"k" * 65: "v"}},
+      param="metadata", path="/v1/responses"),
+    C("responses_metadata_value_513_chars", {"model": "__MODEL__", "input": "hi", "metadata": {"k": "v" * 513}},
+      param="metadata", path="/v1/responses"),
+    C("chat_metadata_value_1mb", chat(metadata={"k": "v" * MIB}), param="metadata", path="/v1/chat/completions"),
     # ---- text the tokenizer cannot take ---------------------------------------------------
     C("lone_surrogate_prompt", raw(r'{"model": "__MODEL__", "prompt": "hi \ud800 there", "max_tokens": 4}'),
       param=("prompt", None)),

@@ -102,6 +102,7 @@ def test_help_shows_the_effective_default(help_text, flag, default):
     ("--kernel-backend", KERNEL_BACKENDS),
     ("--load-format", LOAD_FORMATS),
     ("--tool-call-parser", tuple(TOOL_PARSERS)),
+    ("--reasoning-parser", ("auto", "none", "qwen3", "deepseek_r1")),
     ("--log-level", ("critical", "error", "warning", "info", "debug")),
 ])
 def test_flag_has_choices(flag, choices):

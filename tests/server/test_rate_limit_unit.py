@@ -1,6 +1,7 @@
 """Rate limits (server/rate_limit.py) and the keys file (server/tenants.py) without a server:
 a fake clock drives the buckets, so a minute's limits are checked in no time."""
 
+import asyncio
 import hashlib
 import json
 
@@ -120,3 +121,27 @@ def test_registry_authenticates_reloads_and_keeps_old_keys_on_a_bad_file(tmp_pat
     kept = registry.limiter(registry.authenticate(b"key-a2"))
     assert kept is limiter and kept.in_flight == 1  # same name: buckets and in-flight count carry over
     assert dict(kept.headers())[b"x-ratelimit-limit-requests"] == b"7"
+
+
+def test_reload_off_the_loop_keeps_limiters_and_coalesces_signals(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text(json.dumps({"keys": [{"name": "a", "key": "key-a", "max_concurrent_requests": 4}]}))
+    registry = KeyRegistry(path)
+    limiter = registry.limiter(registry.authenticate(b"key-a"))
+    limiter.admit_request(3)  # three samples in flight carry over the reload
+
+    async def reload_twice() -> list[bool]:
+        path.write_text(json.dumps({"keys": [{"name": "a", "key": "key-a", "max_concurrent_requests": 2},
+                                             {"name": "b", "key": "key-b"}]}))
+        first = asyncio.ensure_future(registry.reload_off_loop())
+        await asyncio.sleep(0)  # the first is reading; a second signal only asks for one more pass
+        return [await registry.reload_off_loop(), await first]
+
+    assert asyncio.run(reload_twice()) == [False, True]
+    assert registry.num_reloads == 2 and registry.names == ["a", "b"]
+    kept = registry.limiter(registry.authenticate(b"key-a"))
+    assert kept is limiter and kept.in_flight == 3 and kept.limits.max_concurrent_requests == 2
+    with pytest.raises(RateLimitExceeded):
+        kept.admit_request()
+    with pytest.raises(ValueError, match="more than this API key's max_concurrent_requests"):
+        kept.admit_request(3)

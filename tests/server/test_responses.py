@@ -234,7 +234,7 @@ BAD_REQUESTS = [
     ("choice_not_among_tools", {"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "x"}},
      400, "tool_choice"),
     ("required_without_tools", {"input": "hi", "tool_choice": "required"}, 400, "tool_choice"),
-    ("unknown_item_type", {"input": [{"type": "reasoning", "summary": []}]}, 400, "input[0]"),
+    ("unknown_item_type", {"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400, "input[0]"),
     ("item_not_an_object", {"input": ["hi"]}, 400, "input[0]"),
     ("message_without_role", {"input": [{"type": "message", "content": "hi"}]}, 400, "input[0].role"),
     ("image_part", {"input": [{"role": "user", "content": [

@@ -51,6 +51,25 @@ def test_lru_evicts_the_least_recently_used_and_bytes_return_to_zero():
     assert len(store) == 0 and store.num_bytes == 0
 
 
+def test_byte_budget_evicts_the_least_recently_used_and_skips_what_cannot_fit():
+    size = len(json.dumps([entry(500).response, entry(500).conversation]))
+    store = ResponseStore(max_entries=100, ttl_s=60, max_bytes=3 * size + 5)
+    for i in (500, 501, 502):  # `size` plus 0, 1, 2 bytes: they fit, and with 503 but one
+        store.put(entry(i))
+    store.get("resp_500", ANONYMOUS)
+    store.put(entry(503))
+    assert len(store) == 3 and store.num_bytes <= 3 * size + 5 and store.num_evicted == 1
+    with pytest.raises(NotFoundError):
+        store.get("resp_501", ANONYMOUS)
+    assert store.get("resp_500", ANONYMOUS) and store.get("resp_503", ANONYMOUS)
+    store.put(entry(4 * size))  # larger than the whole budget: not kept, and nothing evicted for it
+    with pytest.raises(NotFoundError):
+        store.get(f"resp_{4 * size}", ANONYMOUS)
+    assert len(store) == 3 and store.num_evicted == 1
+    with pytest.raises(ValueError):
+        ResponseStore(max_entries=1, ttl_s=1, max_bytes=-1)
+
+
 def test_entries_expire_after_their_ttl_since_last_use():
     clock = Clock()
     store = ResponseStore(max_entries=10, ttl_s=30, clock=clock)

@@ -1,11 +1,15 @@
-"""Security regressions: no way around --api-key, no prompt text in /metrics, and no
-prefix-cache sharing between different `cache_salt` values.
+"""Security regressions: no way around --api-key, no prompt text in /metrics, no
+prefix-cache sharing between different `cache_salt` values, and bounded request heads
+(size, header count, read time) before any key is checked.
 
 The odd paths go out over a raw socket, byte for byte: an HTTP client would normalize
 `/v1/./completions` or `//v1/completions` before sending them.
 """
 
+import json
 import socket
+from concurrent.futures import ThreadPoolExecutor
+import time
 import uuid
 
 import httpx
@@ -14,11 +18,13 @@ import pytest
 KEY = "s3cret-key"
 PROMPT_TOKENS = "pagoda:prompt_tokens_total"
 BLOCK_SIZE = 16
+READ_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
 def keyed_server(start_server):
-    server = start_server(["--api-key", KEY])
+    # A short read timeout, so that the silent-connection case below takes seconds.
+    server = start_server(["--api-key", KEY, "--client-read-timeout", str(READ_TIMEOUT_S)])
     yield server
     server.stop()
 
@@ -174,3 +180,63 @@ def test_prefix_cache_never_crosses_salts(keyed, first, second):
         # each salt does reuse its own cache, so the zeros above mean separation, not a cold cache
         assert _cached_tokens(http, model, prompt, first) >= BLOCK_SIZE
         assert _cached_tokens(http, model, prompt, second) >= BLOCK_SIZE
+
+
+# ---- what a client may send before the key is checked -------------------------------------------
+def exchange(port: int, data: bytes, timeout_s: float = 30) -> bytes:
+    """Send raw bytes, read until the server closes. A server that closes with unread bytes
+    of ours may reset the connection after its answer: what came before the reset counts."""
+    response = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        try:
+            sock.sendall(data)
+            while chunk := sock.recv(65536):
+                response += chunk
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+    return response
+
+
+def _status(response: bytes) -> int:
+    assert response.startswith(b"HTTP/1.1 "), response[:200]
+    return int(response.split()[1])
+
+
+HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+
+
+@pytest.mark.parametrize("extra", [
+    b"X-Big: " + b"a" * 100_000 + b"\r\n",
+    b"".join(b"X-%d: a\r\n" % i for i in range(1000)),
+], ids=["100k_header", "1000_headers"])
+def test_oversized_heads_get_431_without_a_key(keyed, extra, helpers):
+    server, _ = keyed
+    response = exchange(server.port, HEAD + extra + b"\r\n")
+    assert _status(response) == 431, response[:400]
+    helpers.assert_error_envelope(json.loads(response.split(b"\r\n\r\n", 1)[1]))
+    # a head within the limits still reaches the key check
+    assert _status(exchange(server.port, HEAD + b"".join(b"X-%d: a\r\n" % i for i in range(90)) + b"\r\n")) == 401
+
+
+@pytest.mark.parametrize("length", [b"0" * 5000 + b"2", b"9" * 5001])
+def test_content_length_of_5001_digits_is_a_400(keyed, length):
+    server, model = keyed
+    body = b'{"model": "' + model.encode() + b'", "prompt": "hi"}'
+    status, response = raw_request(server.port, "POST", "/v1/completions", body[:2],
+                                   {"Authorization": f"Bearer {KEY}", "Content-Length": length.decode()})
+    assert status == 400, response[:400]
+
+
+def test_connections_that_never_finish_are_closed(keyed):
+    """A connection that sends nothing, half a head, or a head and half its body, is closed
+    after the read timeout (the three at once, to wait the timeout once)."""
+    server, _ = keyed
+    half_a_body = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                   + b"\r\nContent-Length: 50\r\n\r\n{")
+    started = time.monotonic()
+    with ThreadPoolExecutor(3) as pool:  # a socket.timeout (never closed) fails the test
+        nothing, half_head, half_body = pool.map(
+            lambda sent: exchange(server.port, sent, timeout_s=READ_TIMEOUT_S + 30), [b"", HEAD, half_a_body])
+    assert time.monotonic() - started < READ_TIMEOUT_S + 10
+    assert nothing == b"" and half_body == b"", (nothing, half_body)
+    assert _status(half_head) == 408, half_head[:400]

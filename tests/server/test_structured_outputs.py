@@ -181,6 +181,19 @@ def test_invalid_grammar_is_a_400_naming_the_field(server_url, model_name, helpe
     assert ok.status_code == 200
 
 
+def test_a_cached_grammar_failure_names_each_requests_own_field(server_url, model_name, helpers):
+    """Failed compiles are cached by content: the same broken grammar sent in another field
+    must name that field, not the one of the request that compiled it first."""
+    grammar = "root ::= ( [0-9"  # unclosed: this exact text appears in no other test
+    for body, param in (({"grammar": grammar}, "grammar"),
+                        ({"structured_outputs": {"grammar": grammar}}, "structured_outputs"),
+                        ({"guided_grammar": grammar}, "guided_grammar")):
+        r = httpx.post(f"{server_url}/v1/completions", timeout=60,
+                       json={"model": model_name, "prompt": "x", "max_tokens": 2, **body})
+        assert r.status_code == 400, r.text
+        assert helpers.assert_error_envelope(r.json())["param"] == param
+
+
 def test_slow_compile_does_not_delay_an_unconstrained_request(server_url, model_name):
     """A ~1 MB choice list takes seconds to compile; a plain request sent after it ends first."""
     rnd = random.Random(0)

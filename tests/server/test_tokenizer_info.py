@@ -51,8 +51,14 @@ def test_chat_template_is_the_one_the_server_renders(info, hf_tokenizer):
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
 
 
-def test_no_server_paths_and_plain_json(info):
+def test_no_server_paths_and_plain_json(info, server_url, default_model_path):
     assert not [k for k in info if k.endswith("_file")]
+    # Names, not the server's paths: neither here nor in /v1/models' `root`.
+    assert info["name_or_path"] == default_model_path.name
+    models = httpx.get(f"{server_url}/v1/models", timeout=10).json()["data"]
+    assert models[0]["root"] == default_model_path.name
+    for body in (json.dumps(info), json.dumps(models)):
+        assert str(default_model_path.parent) not in body
     # Special tokens come as text, not as AddedToken reprs.
     assert all("AddedToken" not in json.dumps(v) for v in info.values())
     decoder = info.get("added_tokens_decoder")
