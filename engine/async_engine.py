@@ -227,7 +227,8 @@ class AsyncEngine:
         iterator early (client gone) aborts every sample and frees its blocks.
 
         `deadline` (a `time.monotonic()` value): past it the request is aborted and the
-        iterator raises RequestTimeoutError. `max_queue_time` (seconds from now): if the
+        iterator raises RequestTimeoutError. A sample whose grammar could not be followed
+        (`CompletionOutput.error`) makes it raise GrammarError, naming the spec's field. `max_queue_time` (seconds from now): if the
         request is not scheduled by then, it is aborted and QueueTimeoutError is raised.
 
         `tenant` and `priority` place it in the scheduler's waiting queue: lower priority
@@ -284,6 +285,9 @@ class AsyncEngine:
                 merged = RequestOutput(request_id, None, list(prompt_token_ids))
                 for out in batch:
                     for completion in out.outputs:  # one per sample; a beam search's n, indexed 0..n-1
+                        if completion.error is not None:  # its grammar could not be followed: the request fails
+                            spec = params.structured_output
+                            raise GrammarError(completion.error, spec.param if spec is not None else None)
                         completion.index += children.index(out.request_id)
                         merged.outputs.append(completion)
                         if completion.index == 0:

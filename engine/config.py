@@ -159,9 +159,14 @@ class KernelConfig:
     batch_invariant: bool = False
     """Same request, same tokens: on the C++ CPU kernels in bf16, every linear and the attention compute a row the same way whatever else shares the step (batch size, chunk length, prefix-cache hits), so greedy and seeded outputs do not depend on the server's load. Off by default: it costs ~12% of output tok/s at 1 stream and ~20% at 32 streams (docs/BENCHMARKS.md); off, oneDNN's packed GEMM runs past 8 rows and the attention takes its thread-split and blocked routes, which depend on the batch."""
 
+    cpu_threads: int | None = None
+    """Threads of the CPU kernels (per tensor-parallel rank: the ranks on one machine split them); none: the CPUs this process can get, the fewest of its affinity mask and its cgroup CPU quota (engine/cpu_threads.py; an explicit OMP_NUM_THREADS is kept). CPU only; logged at start-up."""
+
     def __post_init__(self) -> None:
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
 
 
 @dataclass(slots=True)

@@ -16,9 +16,11 @@ import torch
 from engine.beam_search import BeamSearch, unblock_beam_searches
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu_threads import apply_cpu_threads
 from engine.default_model import resolve_model_path
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.executor import TensorParallelError, TensorParallelExecutor
+from engine.distributed.parallel_state import cpu_threads_per_rank
 from engine.loader import load_hf_config, load_tokenizer
 from engine.lora import LoraManager
 from engine.model_runner import ModelRunner
@@ -73,6 +75,13 @@ class EngineCore:
             raise ValueError("LoRA adapters are not supported with --tensor-parallel-size > 1")
         self.model_path = resolve_model_path(mc.model)
         self.tokenizer = load_tokenizer(self.model_path)
+        # The CPU kernels' threads: set on this (the engine's) thread before the model loads;
+        # tensor-parallel ranks split them (engine/distributed/executor.py).
+        self.cpu_threads: str | None = None
+        if mc.torch_device.type == "cpu":
+            tp = config.parallel.tensor_parallel_size
+            self.cpu_threads = (apply_cpu_threads(config.kernel.cpu_threads) if tp == 1 else
+                                f"{cpu_threads_per_rank(tp, config.kernel.cpu_threads)} per rank, {tp} ranks")
         # Tensor parallelism: the worker ranks start here; rank 0's Worker holds its shard.
         self.executor: TensorParallelExecutor | None = None
         if config.parallel.tensor_parallel_size > 1:
@@ -145,6 +154,7 @@ class EngineCore:
             **self.worker.facts(),
             "cuda_graphs": "on (decode)" if self.runner.decode_graphs is not None else "off (every step eager)",
             "tensor_parallel_size": str(self.config.parallel.tensor_parallel_size),
+            **({"cpu_threads": self.cpu_threads} if self.cpu_threads is not None else {}),
             "max_num_seqs": str(sc.max_num_seqs),
             "max_num_batched_tokens": str(sc.max_num_batched_tokens),
             "prefix_caching": "on" if cc.enable_prefix_caching else "off",
@@ -478,15 +488,15 @@ class EngineCore:
                 request.first_token_time = now
             request.last_token_time = now
             for token, i in zip(tokens, rows):
+                is_answer = request.thinking is None or request.thinking.advance(token)
+                if is_answer and request.grammar is not None and not request.grammar.matcher.accept_token(token):
+                    self._fail_grammar(request, token, stats)
+                    break  # the token that broke the grammar is not part of the output
                 request.output_token_ids.append(token)
                 if stats is not None:
                     stats.num_generation_tokens += 1
                 if sampled.logprobs[i] is not None:
                     request.logprobs.append(self._decode_logprobs(sampled.logprobs[i]))
-                is_answer = request.thinking is None or request.thinking.advance(token)
-                if is_answer and request.grammar is not None and not request.grammar.matcher.accept_token(token):
-                    request.grammar.num_rejected += 1  # the matcher now reports terminated: the request stops
-                    logger.warning("request %s: sampled token %d is outside its grammar", request.request_id, token)
                 status = self._check_stop(request, token, is_answer)
                 if status is not None:
                     self._finish(request, status, stats)
@@ -500,6 +510,21 @@ class EngineCore:
         """The step's prompt logprobs (reduced on the device by the forward pass), in one transfer."""
         for lp, (request, _) in zip(self.runner.prompt_logprobs.to_host(), self.runner.prompt_rows):
             request.prompt_logprobs.append(self._decode_logprobs(lp))
+
+    def _fail_grammar(self, request: Request, token: int, stats: StepStats | None) -> None:
+        """The sampled token is outside the request's grammar: its matcher failed on the way
+        (a parser or lexer limit reached mid-output) and masked every token, or something
+        forced a token the grammar refuses. The request ends with "abort" and an `error`
+        (never "stop" with output that breaks its grammar)."""
+        grammar = request.grammar
+        grammar.num_rejected += 1
+        spec = grammar.spec
+        request.error = (f"the output could not follow the {spec.param or 'structured output'}'s {spec.kind} "
+                         f"after {request.num_output_tokens} tokens: the grammar allowed no token there; "
+                         "simplify it")
+        logger.warning("request %s: sampled token %d is outside its grammar: %s", request.request_id, token,
+                       request.error)
+        self._finish(request, RequestStatus.FINISHED_ABORTED, stats)
 
     def _check_stop(self, request: Request, token: int, is_answer: bool = True) -> RequestStatus | None:
         p = request.sampling_params
@@ -560,6 +585,7 @@ class EngineCore:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             delta_text=delta,
+            error=request.error,
         )
         if (thinking := request.thinking) is not None:
             if request.is_finished:

@@ -36,6 +36,11 @@ class CompletionOutput:
     """Thinking text new since the previous output, as `delta_text` is for the answer."""
     num_reasoning_tokens: int = 0
     """Output tokens before the answer (thinking and its tags)."""
+    error: str | None = None
+    """Set with finish_reason "abort" when the request was at fault: its grammar could not be
+    followed (the token that broke it is left out of `token_ids` and `text`). AsyncEngine
+    raises it as a GrammarError, so a server answers with an error, never a "successful"
+    output that breaks its schema."""
 
     @property
     def finished(self) -> bool:

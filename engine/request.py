@@ -57,6 +57,9 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    error: str | None = None
+    """Why the engine ended it with "abort" when the request itself is at fault (a grammar
+    its output could not follow); None otherwise."""
     logprobs: "SampleLogprobs | None" = None
     prompt_logprobs: list | None = None
     """One entry per prompt token (None for the first); filled chunk by chunk during prefill."""

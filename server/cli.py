@@ -24,7 +24,7 @@ _ENGINE_KEYS = (
     "lm_head_quantization",
     "speculative_config",
     "scheduling_policy",
-    "batch_invariant",
+    "batch_invariant", "cpu_threads",
     "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "allow_runtime_lora_loading", "lora_dir",
 )
 
@@ -48,6 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS)
     parser.add_argument("--lm-head-quantization", default=None, choices=LM_HEAD_QUANTIZATIONS)
     parser.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS)
+    parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)

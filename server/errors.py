@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.async_engine import EngineDeadError, QueueFullError, QueueTimeoutError, RequestTimeoutError
 from engine.engine_core import ContextLengthExceeded, StepFailedError
+from engine.structured_output import GrammarError
 
 logger = logging.getLogger("pagoda.server")
 
@@ -141,6 +142,9 @@ def to_api_error(exc: BaseException) -> APIError:
         return RequestTimeoutAPIError(str(exc))
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(str(exc), code="engine_dead")
+    if isinstance(exc, GrammarError):
+        # Raised by the engine's stream: the output could not follow the request's grammar.
+        return InvalidRequestError(str(exc), param=exc.param, code="grammar_not_followed")
     if isinstance(exc, ContextLengthExceeded):
         return ContextLengthError(str(exc))
     if isinstance(exc, StepFailedError):

@@ -20,10 +20,15 @@ template, tools, grammars, sampling and admission are the chat path's own:
 Fields are implemented, accepted no-ops (they cannot change what a local model generates:
 `cache_control` anywhere, `metadata`, `service_tier`, `inference_geo`, `speed`,
 `output_config.effort`, `user_profile_id`, `workspace_id`), or refused with a 400 naming
-them (`REFUSED_FIELDS`, server tools, image and document blocks). Thinking blocks are not
-implemented yet: `thinking` "enabled" is refused, "disabled" and "adaptive" accepted, and a
-reasoning model runs with its thinking off (`reasoning_effort: "none"` on the chat path).
-docs/REQUEST_FIELDS.md lists them.
+them (`REFUSED_FIELDS`, server tools, image and document blocks). docs/REQUEST_FIELDS.md
+lists them.
+
+Thinking, on a reasoning model (server/reasoning.py): `thinking` "enabled" turns the model's
+thinking on with `budget_tokens` as the thinking budget (chat's `thinking_token_budget`: the
+engine closes the thinking there), "adaptive" turns it on without a budget (the model decides
+how long it thinks), and "disabled" or no `thinking` turns it off (`reasoning_effort: "none"`),
+Anthropic's default. An assistant turn's `thinking` and `redacted_thinking` blocks are
+accepted and left out of the prompt: chat templates drop a past turn's thinking as well.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ _TOOL_REFUSED: Mapping[str, Refusal] = {
 
 ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 StopSequence = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_LEN)]
-_TEXT_ONLY = "this server takes text, tool_use and tool_result blocks (the model reads text only)"
+_TEXT_ONLY = ("this server takes text, tool_use, tool_result and (in assistant turns) thinking blocks "
+              "(the model reads text only)")
 
 
 # ---- content blocks: plain dicts, checked with errors that name the block -------------------
@@ -138,6 +144,13 @@ def normalize_message(message: Any, where: str, last: bool) -> dict[str, Any]:
             kind = _block_type(block, at)
             if kind == "text":
                 blocks.append({"type": "text", "text": _text_of_block(block, at)})
+            elif kind in ("thinking", "redacted_thinking"):
+                if role != "assistant":
+                    raise InvalidRequestError(f"{at}: {kind!r} blocks belong to assistant messages", param=at)
+                field = "thinking" if kind == "thinking" else "data"
+                if not isinstance(block.get(field), str):
+                    raise InvalidRequestError(f"{at}: a {kind!r} block needs {field!r} (a string)", param=f"{at}.{field}")
+                # Checked, and left out of the prompt (see the module docstring).
             elif kind == "tool_use":
                 if role != "assistant":
                     raise InvalidRequestError(f"{at}: 'tool_use' blocks belong to assistant messages", param=at)
@@ -392,10 +405,13 @@ class MessagesBase(_Request):
             "messages": chat_messages(self.system, messages),
             "add_generation_prompt": not prefill,
             "continue_final_message": prefill,
-            # Anthropic's default is no thinking, and thinking blocks are not implemented:
-            # a reasoning model (server/reasoning.py) runs with its thinking switched off.
-            "reasoning_effort": "none",
         }
+        # Thinking on a reasoning model (server/reasoning.py): off unless asked, Anthropic's default.
+        thinking = self.thinking.type if self.thinking is not None else "disabled"
+        if thinking == "disabled":
+            body["reasoning_effort"] = "none"
+        elif thinking == "enabled":
+            body["thinking_token_budget"] = self.thinking.budget_tokens
         if self.tools:
             body["tools"] = [{"type": "function", "function": {
                 "name": t.name, "description": t.description, "parameters": t.input_schema, "strict": t.strict}}
@@ -425,6 +441,15 @@ class MessagesRequest(MessagesBase):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     metadata: AnthropicMetadata | None = None
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> "MessagesRequest":
+        # As Anthropic: the thinking budget is part of max_tokens, and leaves room to answer.
+        if self.thinking_enabled and self.thinking.budget_tokens >= self.max_tokens:
+            raise InvalidRequestError(
+                f"max_tokens ({self.max_tokens}) must be greater than thinking.budget_tokens "
+                f"({self.thinking.budget_tokens})", param="thinking.budget_tokens")
+        return self
 
     def to_chat_request(self) -> dict[str, Any]:
         body = super().to_chat_request()
@@ -457,6 +482,7 @@ _CHAT_PARAMS = {
     "tool_choice": "tool_choice",
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
     "reasoning_effort": "thinking",
+    "thinking_token_budget": "thinking.budget_tokens",
 }
 
 

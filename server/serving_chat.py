@@ -239,7 +239,7 @@ class ChatServing:
             usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=num_reasoning_tokens)
         return usage
 
-    def _template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any]:
+    def template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """The request's extra chat-template variables: its `chat_template_kwargs`, and the
         switch that turns thinking off for `reasoning_effort: "none"`."""
         kwargs = dict(req.chat_template_kwargs or {})
@@ -304,7 +304,7 @@ class ChatServing:
         serving = self.serving
         token_ids = render_chat(
             tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-            tools.tools if tools.active else None, self.chat_template, self._template_kwargs(req),
+            tools.tools if tools.active else None, self.chat_template, self.template_kwargs(req),
         )
         if not token_ids:
             raise InvalidRequestError("the messages render to no tokens", param="messages")

@@ -18,14 +18,21 @@ when the prompt's cached tokens are known), `ping`, per block `content_block_sta
 `message_delta` (stop_reason, stop_sequence, usage) and `message_stop`; a failure after
 the headers is an `error` event. Errors before are Anthropic's envelope (server/errors.py).
 
-Thinking blocks are not implemented yet: `thinking` "enabled" is refused, and a reasoning
-model (server/reasoning.py) runs with its thinking switched off, Anthropic's default (a 400
-naming `thinking` when its chat template has no switch).
+Thinking (a reasoning model, server/reasoning.py; the request side is in
+server/protocol_anthropic.py): the model's thinking is the reply's first block, `thinking`
+(its text; empty with `display: "omitted"`) with a `signature`, streamed as `thinking_delta`
+events then one `signature_delta` before its `content_block_stop`. The signature is the
+SHA-256 of the thinking text (base64): an integrity tag, not Anthropic's encrypted one; a
+past turn's thinking blocks are not read back (they are left out of the prompt), so it is
+never checked. Thinking "enabled" on a model without a reasoning format is a 400 naming
+`thinking`; with thinking off, a model whose template cannot switch it off is a 400 too.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import json
 import time
 from contextlib import aclosing, contextmanager
@@ -72,8 +79,8 @@ def _messages_params() -> Iterator[None]:
         raise error from e
     except APIError as e:
         if e.param == "reasoning_effort":  # the thinking switched off (see the module docstring)
-            e.message = (f"this model thinks and cannot be told not to ({e.message}); thinking blocks are not "
-                         "implemented on /v1/messages: use /v1/chat/completions")
+            e.message = (f"this model thinks and cannot be told not to ({e.message}): send thinking "
+                         "{\"type\": \"enabled\", \"budget_tokens\": ...} or {\"type\": \"adaptive\"}")
         e.param = messages_param(e.param)
         raise
 
@@ -87,9 +94,11 @@ class _Content:
     events that build them. A text block opens at the first text; with tools, blank text
     waits until text that is not blank follows it (blank text around calls is dropped)."""
 
-    def __init__(self, tools_active: bool) -> None:
+    def __init__(self, tools_active: bool, show_thinking: bool = True) -> None:
         self.blocks: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
+        self._show_thinking = show_thinking
+        self._thinking = ""  # the thinking block's whole text (its signature's input)
         self._drop_blank = tools_active
         self._open = False  # the last block still takes deltas
         self._blank = ""
@@ -110,6 +119,18 @@ class _Content:
         index = len(self.blocks) - 1
         self.events.append({"type": "content_block_start", "index": index, "content_block": dict(block)})
         return index
+
+    def think(self, text: str | None) -> None:
+        """The model's thinking so far: the first block (it comes before any answer)."""
+        if not text:
+            return
+        if not (self._open and self.blocks[-1]["type"] == "thinking"):
+            self._start({"type": "thinking", "thinking": "", "signature": ""})
+        self._thinking += text
+        if self._show_thinking:
+            self.blocks[-1]["thinking"] += text
+            self.events.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
+                                "delta": {"type": "thinking_delta", "thinking": text}})
 
     def _text(self, text: str) -> None:
         if not text:
@@ -145,6 +166,11 @@ class _Content:
         index = len(self.blocks) - 1
         if self.blocks[index]["type"] == "tool_use":
             self.blocks[index]["input"] = tool_input(self._arguments[index])
+        elif self.blocks[index]["type"] == "thinking":
+            signature = base64.b64encode(hashlib.sha256(self._thinking.encode()).digest()).decode()
+            self.blocks[index]["signature"] = signature
+            self.events.append({"type": "content_block_delta", "index": index,
+                                "delta": {"type": "signature_delta", "signature": signature}})
         self.events.append({"type": "content_block_stop", "index": index})
 
     def take_events(self) -> list[dict[str, Any]]:
@@ -166,11 +192,10 @@ class MessagesServing:
 
     def _check(self, req: MessagesBase) -> None:
         self.serving.check_model(req.model)
-        if req.thinking_enabled:
-            why = ("this model has no reasoning format" if self.chat.reasoning is None
-                   else "thinking blocks are not implemented on /v1/messages yet (use /v1/chat/completions)")
-            raise InvalidRequestError(f"thinking is not supported: {why}; send thinking {{\"type\": \"disabled\"}}, "
-                                      "or leave it out", param="thinking")
+        if req.thinking_enabled and self.chat.reasoning is None:
+            raise InvalidRequestError("thinking is not supported: this model has no reasoning format "
+                                      "(--reasoning-parser); send thinking {\"type\": \"disabled\"}, or leave it out",
+                                      param="thinking")
 
     # ---- POST /v1/messages --------------------------------------------------------------------
     async def create_message(self, request: Request) -> Response:
@@ -195,7 +220,8 @@ class MessagesServing:
         finally:
             admission.release_all()
         c = finals[0][0]
-        content = _Content(tools_active=reader is not None)
+        content = _Content(tools_active=reader is not None, show_thinking=_show_thinking(req))
+        content.think(c.reasoning_text)
         content.feed(reader.deltas if reader is not None else [ContentDelta(c.text)] if c.text else [])
         content.close()
         stop_reason, stop_sequence = _stop_reason(req, reader, c)
@@ -206,7 +232,7 @@ class MessagesServing:
         self, req: MessagesRequest, message_id: str, prompt: PromptInput, reader: ToolCallReader | None,
         stream: AsyncIterator[tuple[int, RequestOutput]],
     ) -> AsyncIterator[bytes]:
-        content = _Content(tools_active=reader is not None)
+        content = _Content(tools_active=reader is not None, show_thinking=_show_thinking(req))
         result = PromptResult()
         last: CompletionOutput | None = None
         async with aclosing(stream):
@@ -219,6 +245,7 @@ class MessagesServing:
                         yield _event({"type": "message_start", "message": start})
                         yield _event({"type": "ping"})
                     last = c
+                    content.think(c.delta_reasoning_text)  # a step's thinking comes before its answer
                     content.feed(_deltas(reader, c))
                 for body in content.take_events():
                     yield _event(body)
@@ -245,8 +272,13 @@ class MessagesServing:
             tools = template_tools(chat_req.effective_tools) if chat_req.effective_tool_choice != "none" else None
             token_ids = await serving.tokenizers.run(
                 render_chat, chat_req.messages, chat_req.add_generation_prompt, chat_req.continue_final_message,
-                tools, self.chat.chat_template, self.chat._template_kwargs(chat_req))
+                tools, self.chat.chat_template, self.chat.template_kwargs(chat_req))
         return JSONResponse({"input_tokens": len(token_ids)})
+
+
+def _show_thinking(req: MessagesRequest) -> bool:
+    """False for `display: "omitted"`: the thinking block comes with its signature, empty."""
+    return req.thinking is None or req.thinking.display != "omitted"
 
 
 def _stop_reason(req: MessagesRequest, reader: ToolCallReader | None, c: CompletionOutput) -> tuple[str, str | None]:

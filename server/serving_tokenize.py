@@ -29,11 +29,12 @@ from typing import Any, ClassVar, Literal, Mapping
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from server.errors import InvalidRequestError
 from server.protocol import (
     MAX_TOOLS,
+    RESERVED_TEMPLATE_KWARGS,
     Messages,
     NamedToolChoice,
     Refusal,
@@ -50,7 +51,7 @@ from server.serving_chat import ChatServing, render_chat, template_tools
 _FORM_FIELDS: Mapping[str, tuple[str, ...]] = {
     "prompt": ("add_special_tokens", "return_token_strs"),
     "messages": ("tools", "tool_choice", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                 "return_token_strs"),
+                 "return_token_strs", "chat_template_kwargs"),
     "content": ("add_special", "parse_special", "with_pieces"),
 }
 """The fields each input takes; another form's field is a 400."""
@@ -61,7 +62,6 @@ class TokenizeRequest(_Request):
 
     REFUSED_FIELDS: ClassVar[Mapping[str, Refusal]] = {
         "chat_template": Refusal("a per-request chat template is not implemented (the server's template is used)"),
-        "chat_template_kwargs": Refusal("a vLLM extension this server does not implement", (None, {})),
         "mm_processor_kwargs": Refusal("this model takes text only"),
     }
     # Published in /openapi.json: exactly one of the inputs (checked by _one_form).
@@ -80,6 +80,8 @@ class TokenizeRequest(_Request):
     tool_choice: ToolChoiceMode | NamedToolChoice | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    """`messages`: extra chat-template variables, as on the chat route (e.g. `enable_thinking`)."""
     add_special_tokens: bool | None = None
     """`prompt`: add the tokenizer's special tokens (default true). `messages`: false only;
     the chat template writes them, as on the chat route."""
@@ -95,6 +97,14 @@ class TokenizeRequest(_Request):
     def _refuse_unsupported(cls, data: Any) -> Any:
         _refuse_fields(data, cls.REFUSED_FIELDS)
         return data
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)  # as the chat route refuses them
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do")
+        return kwargs
 
     @model_validator(mode="after")
     def _one_form(self) -> "TokenizeRequest":
@@ -239,7 +249,7 @@ class TokenizeServing:
             # As the chat route renders them (server/serving_chat.py), so the counts agree.
             tools = template_tools(req.tools) if req.tool_choice != "none" else None
             tokens = render_chat(tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                 tools, self.chat_serving.chat_template)
+                                 tools, self.chat_serving.chat_template, req.chat_template_kwargs)
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             tokens = tokenizer.encode(req.prompt, add_special_tokens=add_special)

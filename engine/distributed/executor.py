@@ -67,7 +67,7 @@ class TensorParallelExecutor:
         rendezvous = launched or local_rendezvous(world_size)
         self.device = rank_device(config.model.torch_device, rendezvous.local_rank)
         if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(world_size))
+            torch.set_num_threads(cpu_threads_per_rank(world_size, config.kernel.cpu_threads))
         self.failure: TensorParallelError | None = None
         self.on_failure: Callable[[TensorParallelError], None] | None = None
         """Called from the watchdog thread when a worker dies (the engine loop may be idle)."""

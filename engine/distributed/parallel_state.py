@@ -28,6 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.cpu_threads import choose_cpu_threads
+
 MODEL_TIMEOUT = timedelta(seconds=120)
 """Longest wait for the other ranks inside a step: they run the same work, so any wait
 this long means a rank hangs (a dead rank is noticed at once)."""
@@ -126,13 +128,12 @@ def init_groups(rendezvous: Rendezvous, device: torch.device) -> ParallelGroups:
     return ParallelGroups(rendezvous.rank, rendezvous.world_size, dist.group.WORLD, control)
 
 
-def cpu_threads_per_rank(world_size: int) -> int:
-    """CPU ranks on one machine split its cores (each rank's own OpenMP team would
-    otherwise oversubscribe them); an explicit OMP_NUM_THREADS wins."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return torch.get_num_threads()
+def cpu_threads_per_rank(world_size: int, requested: int | None = None) -> int:
+    """CPU ranks on one machine split the CPUs the process can get (each rank's own OpenMP
+    team would otherwise oversubscribe them); `--cpu-threads` (per rank) or an explicit
+    OMP_NUM_THREADS wins (engine/cpu_threads.py)."""
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return max(1, (os.cpu_count() or 1) // ranks_here)
+    return choose_cpu_threads(requested, ranks_here)[0]
 
 
 def agree_num_blocks(groups: ParallelGroups, num_blocks: int) -> int:

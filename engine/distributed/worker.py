@@ -55,7 +55,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
         )
     device = rank_device(mc.torch_device, rendezvous.local_rank)
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_rank(rendezvous.world_size))
+        torch.set_num_threads(cpu_threads_per_rank(rendezvous.world_size, config.kernel.cpu_threads))
     print(
         f"[pagoda] tensor-parallel rank {rendezvous.rank}/{rendezvous.world_size}: pid {os.getpid()}, {device}",
         file=sys.stderr,

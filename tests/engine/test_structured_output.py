@@ -231,3 +231,31 @@ def test_grammar_wins_over_min_tokens():
     request = _sampling_request(0, temperature=0.0, min_tokens=4)
     out = Sampler()(torch.randn(1, vocab), [request], _FakeGrammars(allowed, [0], True))
     assert out.token_ids == [2]
+
+
+def test_a_token_outside_the_grammar_fails_the_request_instead_of_stopping_it(llm, monkeypatch):
+    """A matcher that fails mid-output (a parser limit reached late) leaves the sampler no
+    allowed token; here something forces one the grammar refuses (a letter where it takes
+    digits). The request ends with "abort" and an error naming its field - never "stop"
+    with output that breaks the grammar - the bad token stays out of the output, the blocks
+    come back, and a server answers the error as a 400 naming the field."""
+    from engine import engine_core
+    from server.errors import to_api_error
+
+    core = llm.engine_core
+    spec = StructuredOutputSpec("regex", "[0-9]{6}", "response_format")
+    core.add_request("so-broken", llm.tokenizer.encode("digits:"), _constrained(spec, temperature=0.0))
+    while not core.requests["so-broken"].output_token_ids:
+        core.step()
+    digits = list(core.requests["so-broken"].output_token_ids)
+    letter = llm.tokenizer.encode("x", add_special_tokens=False)[0]
+    monkeypatch.setattr(engine_core, "_forced_tokens", lambda rows: {i: letter for i in range(len(rows))})
+    outputs = []
+    while "so-broken" in core.requests:
+        outputs += [o for o in core.step() if o.request_id == "so-broken"]
+    c = outputs[-1].outputs[0]
+    assert c.finish_reason == "abort" and c.token_ids == digits and letter not in c.token_ids
+    assert "response_format" in c.error and "could not follow" in c.error
+    assert _all_free(llm)
+    error = to_api_error(GrammarError(c.error, spec.param))
+    assert (error.status_code, error.param, error.code) == (400, "response_format", "grammar_not_followed")

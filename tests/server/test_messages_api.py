@@ -202,7 +202,7 @@ def test_errors_reach_the_sdk_as_its_exceptions(claude, model_name):
         claude.messages.create(model="no-such-model", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     assert e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model=model_name, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
+        claude.messages.create(model=model_name, max_tokens=2048, messages=[{"role": "user", "content": "Hi"}],
                                thinking={"type": "enabled", "budget_tokens": 1024})
     assert e.value.body["error"]["message"].startswith("thinking")
 
@@ -331,8 +331,13 @@ BAD = [
     ("stop_sequence_empty", {"stop_sequences": [""]}, 400, "invalid_request_error", "stop_sequences"),
     ("system_number", {"system": 5}, 400, "invalid_request_error", "system"),
     ("system_image_block", {"system": [{"type": "image"}]}, 400, "invalid_request_error", "system[0]"),
-    ("thinking_enabled", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error",
-     "thinking"),
+    ("thinking_enabled_without_a_reasoning_format", {"max_tokens": 2048, "thinking": {"type": "enabled",
+     "budget_tokens": 1024}}, 400, "invalid_request_error", "no reasoning format"),
+    ("thinking_budget_not_below_max_tokens", {"max_tokens": 1024, "thinking": {"type": "enabled",
+     "budget_tokens": 1024}}, 400, "invalid_request_error", "must be greater than thinking.budget_tokens"),
+    ("thinking_block_in_a_user_turn", {"messages": [{"role": "user", "content": [
+        {"type": "thinking", "thinking": "hm", "signature": "x"}]}]}, 400, "invalid_request_error",
+     "belong to assistant messages"),
     ("thinking_without_budget", {"thinking": {"type": "enabled"}}, 400, "invalid_request_error", "thinking"),
     ("output_format_bad_schema", {"output_config": {"format": {"type": "json_schema", "schema": {"type": 5}}}},
      400, "invalid_request_error", "output_config.format"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -155,3 +156,77 @@ def test_a_model_without_a_reasoning_format_has_no_reasoning_fields(client, mode
     r = client.chat.completions.create(model=model_name, messages=HI, max_tokens=2)
     assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
     assert r.usage.completion_tokens_details is None
+
+
+# ---- Anthropic's Messages API: thinking blocks ---------------------------------------------------
+@pytest.fixture(scope="module")
+def claude(thinking_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=thinking_server.url, api_key="x", max_retries=0, timeout=60)
+
+
+THINK = {"type": "enabled", "budget_tokens": 1024}
+
+
+def test_messages_thinking_block_before_the_answer(claude):
+    m = claude.messages.create(model="thinker", max_tokens=2048, extra_body={"temperature": 0}, messages=HI, thinking=THINK)
+    thinking, text = m.content
+    assert (thinking.type, thinking.thinking) == ("thinking", THINKING) and thinking.signature
+    assert (text.type, text.text) == ("text", ANSWER)
+    assert m.stop_reason == "end_turn"
+    assert m.usage.output_tokens == NUM_REASONING_TOKENS + 3  # thinking tokens count as output, as Anthropic's
+    # Without `thinking` (Anthropic's default) the model's thinking is switched off in its template.
+    m = claude.messages.create(model="thinker", max_tokens=2048, extra_body={"temperature": 0}, messages=HI)
+    assert [(b.type, b.text) for b in m.content] == [("text", ANSWER)]
+    assert m.usage.output_tokens == 3
+
+
+def test_messages_thinking_streamed_as_anthropics_events(claude):
+    with claude.messages.stream(model="thinker", max_tokens=2048, extra_body={"temperature": 0}, messages=HI,
+                                thinking={"type": "adaptive"}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [(e.index, e.delta.type) for e in events if e.type == "content_block_delta"]
+    kinds = [kind for _, kind in deltas]
+    # Thinking deltas, one signature, then the answer's text, each in its own block.
+    assert kinds == sorted(kinds, key=["thinking_delta", "signature_delta", "text_delta"].index), kinds
+    assert kinds.count("signature_delta") == 1
+    assert {index for index, kind in deltas if kind != "text_delta"} == {0}
+    assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
+                   and e.delta.type == "thinking_delta") == THINKING
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == ANSWER
+    whole = claude.messages.create(model="thinker", max_tokens=2048, extra_body={"temperature": 0}, messages=HI,
+                                   thinking={"type": "adaptive"})
+    assert final.content[0].signature == whole.content[0].signature  # the same thinking, the same tag
+
+
+def test_messages_thinking_omitted_and_past_thinking_blocks(claude):
+    m = claude.messages.create(model="thinker", max_tokens=2048, extra_body={"temperature": 0}, messages=HI,
+                               thinking={**THINK, "display": "omitted"})
+    assert (m.content[0].type, m.content[0].thinking) == ("thinking", "") and m.content[0].signature
+    # A client sends the reply back whole, thinking included: accepted, and left out of the prompt.
+    history = [*HI, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": THINKING, "signature": "sig"},
+        {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": ANSWER}]},
+               {"role": "user", "content": "Again"}]
+    without = [*HI, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "Again"}]
+    count = lambda messages, **kw: claude.messages.count_tokens(model="thinker", messages=messages, **kw).input_tokens  # noqa: E731
+    assert count(history, thinking=THINK) == count(without, thinking=THINK)
+    # Thinking off closes it in the prompt (Qwen3's template writes an empty <think></think>).
+    assert count(without) > count(without, thinking=THINK)
+    m = claude.messages.create(model="thinker", max_tokens=2048, extra_body={"temperature": 0}, messages=history, thinking=THINK)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+
+
+def test_tokenize_renders_the_chat_template_kwargs_as_the_chat_route(thinking_server, helpers):
+    def tokenize(**kw):
+        r = httpx.post(f"{thinking_server.url}/tokenize", json={"messages": HI, **kw}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    chat = httpx.post(f"{thinking_server.url}/v1/chat/completions", timeout=60,
+                      json={"messages": HI, "max_tokens": 1, **off}).json()
+    assert tokenize(**off) == chat["usage"]["prompt_tokens"] > tokenize()  # the closed <think></think>
+    r = httpx.post(f"{thinking_server.url}/tokenize", json={"messages": HI, "chat_template_kwargs": {"tools": []}},
+                   timeout=60)
+    assert r.status_code == 400 and helpers.assert_error_envelope(r.json())["param"] == "chat_template_kwargs"

@@ -1,0 +1,53 @@
+"""The CPU kernels' thread count follows the CPUs the process can get: its affinity mask
+and its cgroup CPU quota (engine/cpu_threads.py), or --cpu-threads; the choice is logged."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.cpu_threads import available_cpus, cgroup_cpu_limit, choose_cpu_threads
+
+
+@pytest.mark.parametrize("files, limit", [
+    ({"cpu.max": "150000 100000\n"}, 1.5),
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0.5),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+], ids=["v2_quota", "v2_unlimited", "v1_quota", "v1_unlimited", "no_cgroup"])
+def test_cgroup_cpu_quota_is_read_in_both_versions(tmp_path, files, limit):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_limit(tmp_path) == limit
+
+
+def test_a_quota_below_the_affinity_mask_wins_and_never_gives_zero(tmp_path):
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a CPU
+    n, why = available_cpus(tmp_path)
+    assert n == 1 and "quota of 0.5 CPUs" in why
+    (tmp_path / "cpu.max").write_text("6400000 100000\n")  # 64 CPUs: the mask is smaller
+    n, why = available_cpus(tmp_path)
+    assert n == len(os.sched_getaffinity(0)) and "affinity mask" in why
+
+
+def test_the_flag_wins_and_is_checked():
+    assert choose_cpu_threads(3) == (3, "--cpu-threads")
+    with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
+        EngineConfig.from_engine_args(cpu_threads=0)
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
+def test_one_cpu_in_the_affinity_mask_gives_one_thread_and_says_why(tiny_model_path):
+    run = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "server.cli", "generate", "Hi", "--model",
+                          str(tiny_model_path), "--max-tokens", "2"], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    fact = next(line for line in run.stderr.splitlines() if line.startswith("[pagoda] cpu_threads:"))
+    assert fact.startswith("[pagoda] cpu_threads: 1 (") and "1 CPU in the affinity mask" in fact, fact
