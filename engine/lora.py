@@ -8,7 +8,9 @@ base weights: each step, the rows (tokens) of the requests that name an adapter 
 
 added to the outputs of the targeted linears, one "shrink" (x @ A^T) and one "expand"
 (@ B^T) per adapter and fused linear (torch ops), for that adapter's rows only: the base
-rows and other adapters' rows of the same batch are untouched. Scale is lora_alpha / r
+rows and other adapters' rows of the same batch are untouched. A step with rows of several
+adapters stacks their A and B (one shrink and one expand for all rows, each row's shrink
+output masked to its own adapter's columns) instead of one pair of matmuls per adapter. Scale is lora_alpha / r
 (lora_alpha / sqrt(r) under rsLoRA) and is folded into B at load time.
 
 The deltas are added by forward hooks on the targeted linears, installed once when LoRA is
@@ -182,6 +184,15 @@ class LoraManager:
         # This step's (adapter's device weights, its rows): rows None = every row of the step.
         self.groups: list[tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]] = []
         self._logged_fused_fallback = False
+        # Steps with rows of several adapters: each linear's adapters stacked into one shrink
+        # and one expand (`_stack`), reused while the step's adapters stay the same.
+        self._row_group: torch.Tensor | None = None
+        """This step's adapter (index into the stack) of each row, -1 for base rows; None
+        when the step has at most one adapter (its rows take the plain path)."""
+        self._adapters: list[LoraAdapter] = []  # this step's, in stack order (lora id)
+        self._stack_ids: tuple[int, ...] = ()
+        self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...]] | None] = {}
+        self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
         self.num_requests: dict[str, int] = {}
         """Requests admitted per adapter name (the server's per-adapter counters read it)."""
         for i, layer in enumerate(model.model.layers):
@@ -236,6 +247,7 @@ class LoraManager:
                 rows.setdefault(lora.lora_id, []).extend(range(start, start + n))
                 adapters[lora.lora_id] = lora.adapter
             start += n
+        self._row_group = None
         if not rows:
             self.groups = []
             return
@@ -244,9 +256,22 @@ class LoraManager:
             (adapters[i].device_weights, None if len(r) == start else torch.tensor(r, dtype=torch.int64, device=self.device))
             for i, r in rows.items()
         ]
+        if len(rows) > 1:
+            # Several adapters: stacked in lora-id order, so that the next steps with the same
+            # adapters (the steady state of a mixed batch) reuse the stacks.
+            ids = tuple(sorted(rows))
+            if ids != self._stack_ids:
+                self._stack_ids, self._stacks, self._masks = ids, {}, {}
+            row_group = torch.full((start,), -1, dtype=torch.int64)
+            for g, lora_id in enumerate(ids):
+                row_group[rows[lora_id]] = g
+            self._row_group = row_group.to(self.device)
+            self._masks = {}
+            self._adapters = [adapters[i] for i in ids]
 
     def end_step(self) -> None:
         self.groups = []
+        self._row_group = None
 
     @property
     def active(self) -> bool:
@@ -286,6 +311,12 @@ class LoraManager:
             if not self.groups:
                 return None
             x = inputs[0]
+            if self._row_group is not None:  # several adapters: one shrink and one expand for all rows
+                stack = self._stack(key)
+                if stack is not None:
+                    a, b, layout = stack
+                    out += ((x @ a.T) * self._mask(layout, x.dtype)) @ b.T
+                return out
             for weights, rows in self.groups:
                 pair = weights.get(key)
                 if pair is None:
@@ -298,6 +329,28 @@ class LoraManager:
             return out
 
         return add_deltas
+
+    def _stack(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...]] | None:
+        """This step's adapters' A of one linear stacked on the rank axis ([sum r, in]) and
+        their B side by side ([out, sum r]), with the layout ((adapter index, its rank), ...);
+        None when none of them targets the linear. A row's shrink output is masked to its own
+        adapter's columns (`_mask`), so the expand adds only its own adapter's delta - the
+        same sum as the per-adapter path, in one pair of matmuls instead of one per adapter."""
+        if key not in self._stacks:
+            parts = [(g, adapter.device_weights[key]) for g, adapter in enumerate(self._adapters)
+                     if key in adapter.device_weights]
+            self._stacks[key] = None if not parts else (
+                torch.cat([a for _, (a, _) in parts]), torch.cat([b for _, (_, b) in parts], dim=1),
+                tuple((g, a.shape[0]) for g, (a, _) in parts))
+        return self._stacks[key]
+
+    def _mask(self, layout: tuple[tuple[int, int], ...], dtype: torch.dtype) -> torch.Tensor:
+        """[rows, sum r]: 1 where the column belongs to the row's adapter (this step's)."""
+        mask = self._masks.get(layout)
+        if mask is None:
+            owner = torch.tensor([g for g, rank in layout for _ in range(rank)], device=self.device)
+            mask = self._masks[layout] = (self._row_group[:, None] == owner[None, :]).to(dtype)
+        return mask
 
     def step_adapters(self, running: list["Request"], waiting) -> tuple[list[str], list[str]]:
         """Names of the adapters of running and of waiting requests (the lora_requests_info metric)."""
