@@ -211,6 +211,10 @@ class Worker:
             return "off (--batch-invariant: on): outputs may change with the batch, the chunking and prefix-cache hits"
         if self.device.type == "cpu" and self.ops.backend == "cpu" and self.dtype == torch.bfloat16 and self._num_invariant_linears():
             return "on: greedy and seeded outputs do not depend on the batch, the chunking or the prefix cache"
+        if self.ops.backend == "triton":
+            return (f"attention only ({self.dtype}): the Triton attention takes one config whatever the batch "
+                    "(no split-K, one tile shape); the linears' matmuls (torch's, cuBLAS on CUDA) are not "
+                    "batch-invariant, so outputs may still change with the batch")
         return (f"asked, but not guaranteed on this path ({self.ops.backend} kernels, {self.dtype}): the invariant "
                 "kernels are the C++ CPU ones in bf16 on AVX512-BF16")
 

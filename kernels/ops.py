@@ -60,7 +60,8 @@ def _cpu_ops(batch_invariant: bool) -> KernelOps:
 
 def get_ops(kernel_backend: str, device: torch.device, batch_invariant: bool = False) -> KernelOps:
     """The ops of `kernel_backend` on `device`; `batch_invariant` chooses the C++ kernels'
-    invariant bf16 attention route (engine/config.py `KernelConfig.batch_invariant`)."""
+    invariant bf16 attention route, or the Triton attention's one config whatever the batch
+    (engine/config.py `KernelConfig.batch_invariant`)."""
     if kernel_backend not in ("auto", "cpu", "torch", "triton"):
         raise ValueError(f"kernel_backend must be auto, cpu, torch or triton, got {kernel_backend!r}")
     device = torch.device(device)
@@ -92,11 +93,13 @@ def get_ops(kernel_backend: str, device: torch.device, batch_invariant: bool = F
 
     # The kernel modules may have been imported before TRITON_INTERPRET was set.
     check_device_runs_triton(device)
+    # --batch-invariant: one attention config whatever the batch (triton_attention.choose_config).
+    triton_paged_attention = functools.partial(triton_attention.paged_attention, invariant=batch_invariant)
     if kernel_backend == "triton":
         return KernelOps(
             backend="triton",
             reshape_and_cache=triton_cache.reshape_and_cache,
-            paged_attention=triton_attention.paged_attention,
+            paged_attention=triton_paged_attention,
             copy_blocks=triton_copy.copy_blocks,
         )
 
@@ -108,7 +111,7 @@ def get_ops(kernel_backend: str, device: torch.device, batch_invariant: bool = F
     def paged_attention(query, key_cache, *args, **kwargs) -> torch.Tensor:
         ratio = query.shape[1] // max(key_cache.shape[2], 1)
         supported = query.shape[-1] in triton_attention.SUPPORTED_HEAD_DIMS and ratio <= triton_attention.MAX_GQA_RATIO
-        fn = triton_attention.paged_attention if supported else reference.paged_attention
+        fn = triton_paged_attention if supported else reference.paged_attention
         return fn(query, key_cache, *args, **kwargs)
 
     return KernelOps(

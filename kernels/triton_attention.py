@@ -261,15 +261,29 @@ _MAX_SPLITS = 16
 
 @functools.lru_cache(maxsize=4096)
 def choose_config(
-    num_tokens: int, num_seqs: int, num_kv_heads: int, gqa_ratio: int, head_dim: int, max_context: int
+    num_tokens: int, num_seqs: int, num_kv_heads: int, gqa_ratio: int, head_dim: int, max_context: int,
+    invariant: bool = False,
 ) -> AttentionConfig:
     """Config from shapes alone (no device sync, no autotuning; memoised per shape).
 
     `max_context` is the block table's width x block size: an upper bound of every
     sequence's length, known without reading seq_lens (the caller caps it at the sliding
     window: the keys one query reads).
+
+    `invariant` (`--batch-invariant`): one config whatever the batch, so a query row's
+    arithmetic never depends on the step around it. The default config changes with the
+    batch in two ways that change a row's rounding: split-K (chosen for decode-only
+    batches, with a split count from the number of sequences and the block table's width,
+    which CUDA graphs pad to max_model_len) and the decode tile shape (a decode row and
+    the same position's row in a prefill chunk would go through `tl.dot`s of different
+    M). Invariant mode never splits and always takes the prefill tiles: every row walks
+    its keys in TILE_N tiles at fixed absolute positions with one online softmax, and the
+    tiles a row cannot see (past its position, before its window) are exact no-ops
+    (p = 0, alpha = 1, or a row that has seen nothing yet stays at m = -inf, l = 0), so a
+    decode row, a prefill row and a chunked-prefill row of the same context compute the
+    same bits. The cost is decode parallelism on the GPU for few long sequences.
     """
-    decode_only = num_tokens == num_seqs
+    decode_only = num_tokens == num_seqs and not invariant
     block_m, tile_n, num_warps = _TILE_TABLE[(decode_only, head_dim)]
     block_m = max(block_m, triton.next_power_of_2(gqa_ratio))
     num_splits = 1
@@ -499,6 +513,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     *,
     sliding_window: int | None = None,  # a query at p sees keys p - sliding_window < k <= p
+    invariant: bool = False,  # one config whatever the batch (`choose_config`): --batch-invariant
 ) -> torch.Tensor:
     """`kernels.reference.paged_attention` in Triton, config from `choose_config`."""
     if out is None:
@@ -515,6 +530,7 @@ def paged_attention(
         gqa_ratio=num_heads // num_kv_heads,
         head_dim=head_dim,
         max_context=min(block_tables.shape[1] * block_size, sliding_window or _NO_WINDOW),
+        invariant=invariant,
     )
     return _launch(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out, config,

@@ -45,10 +45,12 @@ def test_auto_on_cpu_is_the_cpp_kernels() -> None:
 def test_triton_on_cpu_under_the_interpreter() -> None:
     from kernels import triton_attention, triton_cache
 
-    ops = get_ops("triton", torch.device("cpu"))
-    assert ops.backend == "triton"
-    assert ops.paged_attention is triton_attention.paged_attention
-    assert ops.reshape_and_cache is triton_cache.reshape_and_cache
+    for invariant in (False, True):
+        ops = get_ops("triton", torch.device("cpu"), batch_invariant=invariant)
+        assert ops.backend == "triton"
+        assert ops.paged_attention.func is triton_attention.paged_attention
+        assert ops.paged_attention.keywords == {"invariant": invariant}  # --batch-invariant's one config
+        assert ops.reshape_and_cache is triton_cache.reshape_and_cache
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
