@@ -22,6 +22,7 @@ from engine.loader import load_hf_config, load_model
 from engine.memory import profile_kv_cache_budget, take_snapshot
 from engine.models.llama import ALL_ROWS, FusedDecodeLayers, Linear, LlamaForCausalLM, ModelArgs, prepack_linears
 from engine.prompt_logprobs import PromptLogprobRows, chunked_logits
+from engine.quantization.linears import Int4Linear, Int8Linear
 from kernels.linear import GEMV_MAX_ROWS, gemv_unavailable_reason
 from kernels.ops import KernelOps, get_ops
 
@@ -71,6 +72,10 @@ class Worker:
         if self.device.type == "cpu" and self.layout is None and isinstance(self.model, LlamaForCausalLM):  # one process's whole model, bf16 GEMV linears
             self.model.fused_decode = FusedDecodeLayers.build(self.model, invariant)
         self.ops: KernelOps = get_ops(config.kernel.kernel_backend, self.device, invariant)
+        if invariant:  # the Triton weight-only GEMMs' one config at every row count
+            for module in self.model.modules():
+                if isinstance(module, (Int8Linear, Int4Linear)):
+                    module.invariant = True
         spec = KVCacheSpec.from_model(self.args, self.dtype, config.cache.block_size)
         self.kv_spec = self.layout.kv_cache_spec(spec) if self.layout is not None else spec  # this rank's KV heads
         self.num_blocks = self._num_kv_blocks(snapshot, log)
@@ -212,9 +217,10 @@ class Worker:
         if self.device.type == "cpu" and self.ops.backend == "cpu" and self.dtype == torch.bfloat16 and self._num_invariant_linears():
             return "on: greedy and seeded outputs do not depend on the batch, the chunking or the prefix cache"
         if self.ops.backend == "triton":
-            return (f"attention only ({self.dtype}): the Triton attention takes one config whatever the batch "
-                    "(no split-K, one tile shape); the linears' matmuls (torch's, cuBLAS on CUDA) are not "
-                    "batch-invariant, so outputs may still change with the batch")
+            return (f"attention and quantized linears only ({self.dtype}): the Triton attention and INT8/INT4 "
+                    "GEMMs take one config whatever the batch (no split-K, one tile shape); float linears "
+                    "(torch's matmuls, cuBLAS on CUDA) are not batch-invariant, so outputs may still change "
+                    "with the batch unless every linear is quantized")
         return (f"asked, but not guaranteed on this path ({self.ops.backend} kernels, {self.dtype}): the invariant "
                 "kernels are the C++ CPU ones in bf16 on AVX512-BF16")
 

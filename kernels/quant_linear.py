@@ -158,25 +158,27 @@ def w4a16_linear_cpu(
     return out if bias is None else out + bias
 
 
-def w8a16_linear(x, qweight, scales, bias=None):  # noqa: ANN001 - same signature as the reference
-    """The Triton kernel on CUDA (reads the int8 weight once, no dequantized copy); on CPU
-    torch's int8 kernel when it works here (scales must then be bf16); else the reference."""
+def w8a16_linear(x, qweight, scales, bias=None, *, invariant=False):  # noqa: ANN001 - the reference's signature
+    """The Triton kernel on CUDA (reads the int8 weight once, no dequantized copy; `invariant`:
+    one config at every M); on CPU torch's int8 kernel when it works here (scales must then
+    be bf16); else the reference."""
     if use_triton(x.device):
         from kernels import triton_w8a16
 
-        return triton_w8a16.w8a16_linear(x, qweight, scales, bias)
+        return triton_w8a16.w8a16_linear(x, qweight, scales, bias, invariant=invariant)
     if x.device.type == "cpu" and cpu_int8_mm_available():
         return w8a16_linear_cpu(x, qweight, scales.to(torch.bfloat16), bias)
     return w8a16_linear_ref(x, qweight, scales, bias)
 
 
-def w4a16_linear(x, qweight, scales, zeros, group_size, bias=None):  # noqa: ANN001 - the reference's signature
+def w4a16_linear(x, qweight, scales, zeros, group_size, bias=None, *, invariant=False):  # noqa: ANN001 - the reference's signature
     """AutoGPTQ-layout W4A16: the Triton kernel on CUDA (every group size that is a multiple
-    of 8; `int4_linear` refuses others at load), else the reference."""
+    of 8; `int4_linear` refuses others at load; `invariant`: one config at every M), else
+    the reference."""
     if use_triton(x.device):
         from kernels import triton_w4a16
 
-        return triton_w4a16.w4a16_linear(x, qweight, scales, zeros, group_size, bias)
+        return triton_w4a16.w4a16_linear(x, qweight, scales, zeros, group_size, bias, invariant=invariant)
     return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias)
 
 

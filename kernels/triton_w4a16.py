@@ -17,6 +17,11 @@ Two launch shapes of the one kernel (`_w4a16_config`):
   once: 0.3% of the weight bytes at M = 1, 9% at M = 16).
 - prefill, M > 16: 64- or 128-row tiles in grouped launch order (weight tiles reused
   from L2 across row tiles), no split.
+
+Batch-invariant mode (`invariant=True`, `--batch-invariant`): one config at every M
+(`INVARIANT_CONFIG`: 64-row tiles, BLOCK_K 64, no split), so a row's K loop, its
+accumulation order and its single rounding do not depend on how many rows share the call.
+The default configs change BLOCK_K and split-K with M (and split-K with the SM count).
 """
 
 from __future__ import annotations
@@ -123,8 +128,15 @@ def split_k_output(x: torch.Tensor, n: int, config: dict[str, int]) -> tuple[tor
     return out, (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split_k)
 
 
-def _w4a16_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
+# --batch-invariant: the one config of every M (the middle row of `_w4a16_config`, unsplit).
+INVARIANT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4,
+                    "SPLIT_K": 1}
+
+
+def _w4a16_config(m: int, n: int, k: int, num_sms: int, invariant: bool = False) -> dict[str, int]:
     """Tiles and split-K for an [M, K] x [K, N] product (the decode / prefill shapes above)."""
+    if invariant:
+        return {**INVARIANT_CONFIG, "K_PER_SPLIT": k}
     if m <= DECODE_MAX_ROWS:
         config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
     elif m <= 64:
@@ -152,6 +164,8 @@ def w4a16_linear(
     zeros: torch.Tensor | None,  # [K / G, N]
     group_size: int,
     bias: torch.Tensor | None = None,  # [N]
+    *,
+    invariant: bool = False,  # one config at every M (--batch-invariant)
 ) -> torch.Tensor:
     check_device_runs_triton(x.device)
     if x.dim() != 2 or qweight.dim() != 2 or qweight.dtype != torch.int32:
@@ -172,7 +186,7 @@ def w4a16_linear(
     zeros = zeros.contiguous() if zeros is not None else None
     if m == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
-    config = _w4a16_config(m, n, k, _num_sms(x.device))
+    config = _w4a16_config(m, n, k, _num_sms(x.device), invariant)
     split_k = config["SPLIT_K"]
     out, grid = split_k_output(x, n, config)
     _w4a16_kernel[grid](

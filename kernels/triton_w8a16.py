@@ -86,9 +86,10 @@ def _w8a16_kernel(
         tl.store(out, acc, mask=mask)
 
 
-def w8a16_config(m: int, n: int, k: int, device: torch.device) -> dict[str, int]:
-    """Tiles and split-K of an [M, K] x [K, N] product on `device` (W4A16's shapes)."""
-    return _w4a16_config(m, n, k, _num_sms(device))
+def w8a16_config(m: int, n: int, k: int, device: torch.device, invariant: bool = False) -> dict[str, int]:
+    """Tiles and split-K of an [M, K] x [K, N] product on `device` (W4A16's shapes; with
+    `invariant`, its one config of every M)."""
+    return _w4a16_config(m, n, k, _num_sms(device), invariant)
 
 
 def w8a16_linear(
@@ -96,6 +97,8 @@ def w8a16_linear(
     qweight: torch.Tensor,  # [N, K] int8
     scales: torch.Tensor,  # [N]
     bias: torch.Tensor | None = None,  # [N]
+    *,
+    invariant: bool = False,  # one config at every M (--batch-invariant)
 ) -> torch.Tensor:
     check_device_runs_triton(x.device)
     if x.dim() != 2 or qweight.dim() != 2 or qweight.dtype != torch.int8:
@@ -113,7 +116,7 @@ def w8a16_linear(
     scales = scales.contiguous()
     if m == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
-    config = w8a16_config(m, n, k, x.device)
+    config = w8a16_config(m, n, k, x.device, invariant)
     split_k = config["SPLIT_K"]
     out, grid = split_k_output(x, n, config)
     _w8a16_kernel[grid](

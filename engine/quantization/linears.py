@@ -32,6 +32,9 @@ CPU_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 kernel accept
 
 
 class Int8Linear(nn.Module):
+    # --batch-invariant (set by the worker): the Triton kernel's one config at every row count.
+    invariant = False
+
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight)  # [N, K] int8
@@ -39,11 +42,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return w8a16_linear(x, self.qweight, self.scales, self.bias)
+        return w8a16_linear(x, self.qweight, self.scales, self.bias, invariant=self.invariant)
 
 
 class Int4Linear(nn.Module):
     """Holds torch's CPU int4 layout when that kernel works here, else the AutoGPTQ layout."""
+
+    invariant = False  # as Int8Linear's
 
     def __init__(self, tensors: dict[str, torch.Tensor], group_size: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -56,7 +61,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_packed:
             return w4a16_linear_cpu(x, self.qweight, self.scales_and_zeros, self.group_size, self.bias)
-        return w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+        return w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+                            invariant=self.invariant)
 
 
 class W8A8Linear(nn.Module):

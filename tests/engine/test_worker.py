@@ -101,3 +101,15 @@ def test_start_up_log_says_how_bf16_decode_linears_run(tiny_model_path, capfd, m
     assert ("[pagoda] batch_invariant: on" in log) == (runs and invariant)
     assert ("[pagoda] batch_invariant: off (--batch-invariant: on)" in log) == (not invariant)
     assert ("[pagoda] fallback: the bf16 decode GEMV is off" in log) == (not runs)
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "default"])
+def test_batch_invariant_reaches_the_quantized_linears(tiny_model_path, invariant):
+    """--batch-invariant sets every INT8 linear's flag, which picks the Triton GEMM's one
+    config at every row count (tests/quantization/test_triton_gemm_invariance.py)."""
+    from engine.quantization.linears import Int8Linear
+
+    llm = LLM(model=str(tiny_model_path), max_model_len=128, num_gpu_blocks_override=16, quantization="int8",
+              batch_invariant=invariant)
+    flags = [m.invariant for m in llm.engine_core.worker.model.modules() if isinstance(m, Int8Linear)]
+    assert flags and all(flag is invariant for flag in flags)
