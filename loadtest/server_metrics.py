@@ -22,11 +22,15 @@ PEAK_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_wait
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Unprefixed sample name -> value summed over label sets; ``request_success_total``
-    is also split by ``finished_reason`` (``request_success_total:stop``)."""
+    is also split by ``finished_reason`` (``request_success_total:stop``). Pagoda exposes the
+    contract's series under both prefixes (server/metrics_vllm.py): where ``pagoda:`` series are
+    present the ``vllm:`` ones are skipped, so nothing is counted twice."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    found = list(text_string_to_metric_families(text))
+    twins = any(f.name.startswith("pagoda:") for f in found)  # then vllm: repeats pagoda:
+    for family in found:
         for sample in family.samples:
-            if sample.name.endswith("_created"):
+            if sample.name.endswith("_created") or (twins and sample.name.startswith("vllm:")):
                 continue
             name = sample.name.rpartition(":")[2]
             if name not in COUNTERS and name not in PEAK_GAUGES:

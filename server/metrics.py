@@ -2,7 +2,8 @@
 
 The engine loop hands a :class:`engine.stats.StepStats` to :meth:`Metrics.on_step`
 after every step and every abort; HTTP handlers call :meth:`record_client_disconnect`;
-``GET /metrics`` serves :meth:`render`.
+``GET /metrics`` serves :meth:`render`, which also exposes the gateways' contract subset
+under ``vllm:`` names (server/metrics_vllm.py: the same objects, renamed at render time).
 
 prometheus_client appends ``_total`` to counter names in the exposition, so the
 counter declared as ``pagoda:prompt_tokens`` is scraped as ``pagoda:prompt_tokens_total``
@@ -23,6 +24,7 @@ from prometheus_client import (
 )
 
 from engine.stats import StepStats
+from server.metrics_vllm import ContractView
 
 PREFIX = "pagoda:"
 
@@ -320,6 +322,17 @@ class Metrics:
                      ["model_name", *names], registry=self.registry)
         info.labels(self.model_name, *[facts[n] for n in names]).set(1)
 
+    def set_cache_config(self, block_size: int, num_blocks: int, cache_dtype: str, enable_prefix_caching: bool) -> None:
+        """`pagoda:cache_config_info{block_size, num_gpu_blocks, ...} 1`, as vLLM's
+        `cache_config_info` (also exposed under that name): gateways read the KV cache's
+        block size and block count from it. `num_gpu_blocks` is the KV blocks of this
+        device, CPU included (vLLM's CPU build names them so too)."""
+        labels = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks), "cache_dtype": cache_dtype,
+                  "enable_prefix_caching": str(enable_prefix_caching)}
+        info = Gauge(PREFIX + "cache_config_info", "The KV cache's configuration (labels); always 1.",
+                     ["model_name", *labels], registry=self.registry)
+        info.labels(self.model_name, *labels.values()).set(1)
+
     def record_structured_request(self, kind: str) -> None:
         self._structured_requests.labels(self.model_name, kind).inc()
 
@@ -336,4 +349,4 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The body and Content-Type for ``GET /metrics``."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(ContractView(self.registry)), CONTENT_TYPE_LATEST

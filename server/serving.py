@@ -338,6 +338,9 @@ class OpenAIServing:
         self.tokenizers = TokenizerPool(engine.tokenizer, config.tokenizer_threads)
         engine.set_grammar_compile_hook(metrics.on_grammar_compiled)
         metrics.set_engine_info(engine.facts)
+        cache = engine.config.cache
+        metrics.set_cache_config(cache.block_size, engine.num_kv_blocks, "auto",  # KV in the compute dtype
+                                 cache.enable_prefix_caching)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

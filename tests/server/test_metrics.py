@@ -241,3 +241,80 @@ def test_instances_are_independent_and_share_registry_on_request():
     assert m.registry is reg
     with pytest.raises(ValueError):  # duplicate names in one registry
         Metrics(MODEL, registry=reg)
+
+
+# ---- the gateways' contract under vLLM's names (server/metrics_vllm.py) --------------------
+
+VLLM_TYPES = {
+    "num_requests_running": "gauge", "num_requests_waiting": "gauge", "kv_cache_usage_perc": "gauge",
+    "gpu_cache_usage_perc": "gauge", "cache_config_info": "gauge", "prompt_tokens": "counter",
+    "generation_tokens": "counter", "request_success": "counter", "num_preemptions": "counter",
+    "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
+    "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
+    "time_per_output_token_seconds": "histogram", "e2e_request_latency_seconds": "histogram",
+    "request_queue_time_seconds": "histogram", "request_prompt_tokens": "histogram",
+    "request_generation_tokens": "histogram", "iteration_tokens_total": "histogram",
+}
+
+
+def families(body: bytes) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+
+def test_vllm_names_carry_the_same_values_as_pagodas(metrics):
+    """One recording, two names: every contract series under vllm: equals its pagoda: twin."""
+    metrics.set_cache_config(16, 364, "auto", True)
+    metrics.on_step(StepStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, kv_cache_tail_waste_tokens=1,
+                              num_scheduled_tokens=40, num_prompt_tokens=37, num_generation_tokens=3,
+                              prefix_cache_queries=48, prefix_cache_hits=32, time_to_first_token_s=[0.07],
+                              inter_token_latency_s=[0.02], finished=[finished()]))
+    found = families(metrics.render()[0])
+    twins = {"gpu_cache_usage_perc": "kv_cache_usage_perc", "time_per_output_token_seconds": "inter_token_latency_seconds"}
+    for name, kind in VLLM_TYPES.items():
+        family = found["vllm:" + name]
+        assert family.type == kind, name
+        ours = found["pagoda:" + twins.get(name, name)]
+        strip = lambda samples, prefix: sorted((s.name[len(prefix):], tuple(sorted(s.labels.items())), s.value)  # noqa: E731
+                                                for s in samples if not s.name.endswith("_created"))
+        theirs = [(n.replace(twins.get(name, name), name, 1), labels, v) for n, labels, v in strip(ours.samples, "pagoda:")]
+        assert strip(family.samples, "vllm:") == sorted(theirs), name
+    assert value(scrape(metrics), "vllm:kv_cache_usage_perc") == 0.25
+    assert value(scrape(metrics), "vllm:prefix_cache_hits_total") == 32
+    info = scrape(metrics)["vllm:cache_config_info"]
+    assert info == [({"model_name": MODEL, "block_size": "16", "num_gpu_blocks": "364", "cache_dtype": "auto",
+                      "enable_prefix_caching": "True"}, 1.0)]
+    # Pagoda's own series stay pagoda:-only.
+    assert "vllm:kv_cache_tail_waste_tokens" not in found and "vllm:http_requests_client_disconnected" not in found
+
+
+def test_a_real_server_exposes_the_contract(server_url, model_name):
+    """What a gateway scrapes from a running server: each vllm: series with its type, the
+    model_name label, values in range, counters that rise with a request."""
+    import httpx
+
+    def scrape_server() -> dict:
+        return families(httpx.get(f"{server_url}/metrics", timeout=30).content)
+
+    before = scrape_server()
+    r = httpx.post(f"{server_url}/v1/completions", json={"model": model_name, "prompt": "Hello there", "max_tokens": 3},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    after = scrape_server()
+    for name, kind in VLLM_TYPES.items():
+        assert after["vllm:" + name].type == kind, name
+        assert all(s.labels.get("model_name") == model_name for s in after["vllm:" + name].samples), name
+
+    def one(found, name):
+        """A sample's value (0 where a counter has none yet), by its scraped name."""
+        samples = [s for s in found[name.removesuffix("_total")].samples if s.name == name]
+        assert len(samples) <= 1 and (samples or name.endswith("_total")), name
+        return samples[0].value if samples else 0
+
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert one(after, gauge) >= 0 and one(after, gauge) == int(one(after, gauge))
+    assert 0.0 <= one(after, "vllm:kv_cache_usage_perc") <= 1.0
+    for counter, at_least in (("vllm:prompt_tokens_total", r.json()["usage"]["prompt_tokens"]),
+                              ("vllm:generation_tokens_total", 3), ("vllm:prefix_cache_queries_total", 1)):
+        assert one(after, counter) - one(before, counter) >= at_least, counter
+    (info,) = after["vllm:cache_config_info"].samples
+    assert int(info.labels["block_size"]) >= 1 and int(info.labels["num_gpu_blocks"]) > 0 and info.value == 1
