@@ -40,6 +40,7 @@ from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
 from server.serving_lora import LoraServing
 from server.serving_messages import MessagesServing
+from server.serving_render import RenderServing
 from server.serving_responses import OWNER_STATE, ResponsesServing
 from server.serving_tokenize import TokenizeServing
 from server.tenants import LIMITER_STATE, TENANT_STATE, KeyRegistry
@@ -185,6 +186,7 @@ def build_app(
                                            max_bytes=config.responses_store_bytes)
     )
     tokenize_serving = TokenizeServing(serving, chat_serving)
+    render_serving = RenderServing(serving, chat_serving, completion_serving)
     messages_serving = MessagesServing(serving, chat_serving)
     lora_serving = LoraServing(serving)
     if lora_serving.loras is not None:
@@ -278,6 +280,15 @@ def build_app(
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter_route(request: Request) -> Response:
         return await lora_serving.unload(request)
+
+    # vLLM's render routes (server/serving_render.py): the token ids a request would prefill.
+    @app.post("/v1/completions/render")
+    async def render_completion_route(request: Request) -> Response:
+        return await render_serving.render_completion(request)
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_route(request: Request) -> Response:
+        return await render_serving.render_chat(request)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

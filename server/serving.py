@@ -509,10 +509,13 @@ class OpenAIServing:
                 raise InvalidRequestError(str(e), param=structured_output.param or "response_format") from e
             raise _params_error(e) from e
 
-    async def prepare_structured_output(self, spec: StructuredOutputSpec | None, kind: str | None = None) -> None:
+    async def prepare_structured_output(
+        self, spec: StructuredOutputSpec | None, kind: str | None = None, count: bool = True
+    ) -> None:
         """Compile the request's grammar (or find it compiled) before its stream starts: an
         invalid one, or one past --grammar-compile-timeout, is a 400 naming its field. A
-        compile runs on the engine's compile threads, so it delays only this request."""
+        compile runs on the engine's compile threads, so it delays only this request.
+        `count`: a request that will run (not a render) counts in the structured-output metric."""
         if spec is None:
             return
         try:
@@ -522,7 +525,8 @@ class OpenAIServing:
             # have been raised for an earlier request that sent the same grammar in another
             # field, so the field to name is this request's.
             raise InvalidRequestError(str(e), param=spec.param or e.param) from e
-        self.metrics.record_structured_request(kind or spec.kind)
+        if count:
+            self.metrics.record_structured_request(kind or spec.kind)
 
     def fit_open_max_tokens(self, token_ids: list[int], params: SamplingParams, prompt_param: str) -> SamplingParams:
         """No max_tokens: run to the end of the context - or of the KV cache, when that

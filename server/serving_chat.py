@@ -266,16 +266,29 @@ class ChatServing:
         through before its stream starts: its tools, its grammar (compiled here, so a bad one
         is a 400), its sampling params, its queue places, then its rendered prompt's tokens."""
         serving = self.serving
+        tools, params = await self._prepare(req)
+        admission = serving.admit(req.n, request, req.priority)
+        [prompt] = await serving.tokenize(admission, self._tokenize, req, params, tools)
+        return tools, admission, prompt
+
+    async def render_prompt(self, req: ChatCompletionRequest) -> PromptInput:
+        """The prompt `admit_prompt` would give the engine (its token ids and sampling
+        params), without taking queue places: `POST /v1/chat/completions/render`."""
+        tools, params = await self._prepare(req, count=False)
+        [prompt] = await self.serving.tokenizers.run(self._tokenize, req, params, tools)
+        return prompt
+
+    async def _prepare(self, req: ChatCompletionRequest, count: bool = True) -> tuple[_Tools, SamplingParams]:
+        """The request's tools and sampling params, its grammar compiled (a bad one is a 400)."""
+        serving = self.serving
         tools = _request_tools(req, self.max_parallel_tool_calls)
         spec, kind = self._output_constraint(req, tools)
         top_k = self._top_k(req)
         params = serving.sampling_params(req, req.output_limit, top_k if req.logprobs else None,
                                          serving.num_logprobs(req.prompt_logprobs, "prompt_logprobs"),
                                          structured_output=spec)
-        await serving.prepare_structured_output(spec, kind)
-        admission = serving.admit(req.n, request, req.priority)
-        [prompt] = await serving.tokenize(admission, self._tokenize, req, params, tools)
-        return tools, admission, prompt
+        await serving.prepare_structured_output(spec, kind, count)
+        return tools, params
 
     def _output_constraint(self, req: ChatCompletionRequest, tools: _Tools) -> tuple[StructuredOutputSpec | None, str | None]:
         """The grammar the reply must follow, and its kind for the metrics: the tool-call

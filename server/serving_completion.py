@@ -84,24 +84,7 @@ class CompletionServing:
         serving = self.serving
         req = await read_request(request, CompletionRequest, serving.config.max_body_bytes)
         serving.check_model(req.model)
-        if req.max_tokens == 0 and not req.echo:
-            raise InvalidRequestError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
-        num_logprobs = serving.num_logprobs(req.logprobs, "logprobs")
-        num_prompt_logprobs = serving.num_logprobs(req.prompt_logprobs, "prompt_logprobs")
-        # The engine computes the prompt's logprobs once, with the most alternatives echo
-        # (logprobs) or prompt_logprobs asks for; each is cut to its own count.
-        prompt_ks = [k for k in (num_logprobs if req.echo else None, num_prompt_logprobs) if k is not None]
-        spec = structured_output_spec(req)
-        params = serving.sampling_params(req, req.max_tokens, num_logprobs, max(prompt_ks, default=None),
-                                         structured_output=spec)
-        samples = req.samples_per_prompt
-        if samples > req.n and req.use_beam_search:
-            raise InvalidRequestError("best_of cannot be used with use_beam_search (n is the beam width)", param="best_of")
-        if samples > req.n:
-            self._check_best_of(req, samples)
-            # best_of: every sample's own token logprobs rank it (the first entry of each dict).
-            params = dataclasses.replace(params, n=samples, logprobs=num_logprobs or 0)
-        await serving.prepare_structured_output(spec)
+        params, samples, num_logprobs, num_prompt_logprobs = await self._prepare(req)
         admission = serving.admit(len(req.prompts) * samples, request, req.priority)
         prompts = await serving.tokenize(admission, self._tokenize, req.prompts, req.echo, params, req.truncate_prompt_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -146,6 +129,37 @@ class CompletionServing:
             usage=serving.usage(prompts, results, num_completion_tokens),
         )
         return json_response(response)
+
+    async def render_prompts(self, req: CompletionRequest) -> list[PromptInput]:
+        """The prompts `create_completion` would give the engine (token ids and sampling
+        params), without taking queue places: `POST /v1/completions/render`."""
+        params, *_ = await self._prepare(req, count=False)
+        return await self.serving.tokenizers.run(self._tokenize, req.prompts, req.echo, params,
+                                                 req.truncate_prompt_tokens)
+
+    async def _prepare(self, req: CompletionRequest, count: bool = True) -> tuple[SamplingParams, int, int | None, int | None]:
+        """The request's sampling params, samples per prompt (best_of), logprobs and
+        prompt_logprobs counts, its grammar compiled (a bad one is a 400)."""
+        serving = self.serving
+        if req.max_tokens == 0 and not req.echo:
+            raise InvalidRequestError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
+        num_logprobs = serving.num_logprobs(req.logprobs, "logprobs")
+        num_prompt_logprobs = serving.num_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        # The engine computes the prompt's logprobs once, with the most alternatives echo
+        # (logprobs) or prompt_logprobs asks for; each is cut to its own count.
+        prompt_ks = [k for k in (num_logprobs if req.echo else None, num_prompt_logprobs) if k is not None]
+        spec = structured_output_spec(req)
+        params = serving.sampling_params(req, req.max_tokens, num_logprobs, max(prompt_ks, default=None),
+                                         structured_output=spec)
+        samples = req.samples_per_prompt
+        if samples > req.n and req.use_beam_search:
+            raise InvalidRequestError("best_of cannot be used with use_beam_search (n is the beam width)", param="best_of")
+        if samples > req.n:
+            self._check_best_of(req, samples)
+            # best_of: every sample's own token logprobs rank it (the first entry of each dict).
+            params = dataclasses.replace(params, n=samples, logprobs=num_logprobs or 0)
+        await serving.prepare_structured_output(spec, count=count)
+        return params, samples, num_logprobs, num_prompt_logprobs
 
     def _check_best_of(self, req: CompletionRequest, best_of: int) -> None:
         """The server's limits, named as best_of (they would otherwise blame n)."""
