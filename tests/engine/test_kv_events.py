@@ -130,7 +130,20 @@ def test_step_stats_drops_reach_the_metric():
     assert 'pagoda:kv_events_dropped_total{model_name="m"} 7.0' in text
 
 
-def test_msgpack_payload_is_an_array_batch():
-    """The raw shape subscribers outside Python see: [ts, [[tag, ...]], rank]."""
-    raw = msgpack.packb([1.0, [["AllBlocksCleared"]], 0])
-    assert DECODER.decode(raw).events == [AllBlocksCleared()]
+def test_raw_message_frames():
+    """What a subscriber outside Python sees: [topic, seq (8 bytes), msgpack [ts, [[tag, ...]], rank]]."""
+    sub, endpoint = subscriber()
+    publisher = ZmqEventPublisher(KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv@h:1@m"))
+    try:
+        settle(sub)
+        publisher.publish([["AllBlocksCleared"], ["BlockRemoved", [2**64 - 1], "CPU"]])
+        assert sub.poll(10_000)
+        topic, seq, payload = sub.recv_multipart()
+    finally:
+        publisher.shutdown()
+        sub.close()
+    assert (topic, seq) == (b"kv@h:1@m", bytes(8))
+    ts, events, rank = msgpack.unpackb(payload)
+    assert isinstance(ts, float) and rank == 0
+    assert events == [["AllBlocksCleared"], ["BlockRemoved", [2**64 - 1], "CPU"]]

@@ -79,12 +79,10 @@ def test_events_chain_the_prompt_and_evictions_remove_the_same_hashes(events_ser
     assert f'pagoda:kv_events_dropped_total{{model_name="{tiny_model_path.name}"}} 0.0' in metrics
 
 
-@pytest.mark.parametrize("config, message", [
-    ('{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}', "unsupported key(s) ['endpont']"),
-    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher must be one of ('null', 'zmq')"),
-])
-def test_bad_config_fails_the_start(config, message):
+def test_bad_config_fails_the_start():
+    """Before the model loads, in one line (the other bad values: tests/engine/test_kv_events.py)."""
+    config = '{"enable_kv_cache_events": true, "publisher": "kafka", "endpont": "tcp://*:5557"}'
     result = subprocess.run(pagoda_command("--kv-events-config", config, port=free_port()), cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert message in result.stderr
+    assert "pagoda: error: kv_events_config: unsupported key(s) ['endpont']" in result.stderr
