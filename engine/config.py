@@ -105,8 +105,11 @@ class CacheConfig:
     """Reuse the KV blocks of earlier requests' identical prompt prefixes (--no-prefix-caching turns it off)."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks (tests use it to force preemption); overrides kv_cache_memory."""
+    kv_events_config: str | dict | None = None
+    """KV-cache events for cache-aware routers (llm-d, Dynamo) as JSON, vLLM's keys: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": null, "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": ""}; each step's BlockStored / BlockRemoved / AllBlocksCleared go out in vLLM's wire format (docs/OPERATIONS.md); the topic defaults to kv@<host>:<port>@<model> under `pagoda serve`. none: off."""
 
     def __post_init__(self) -> None:
+        self.kv_events  # validates
         if self.block_size < 1 or self.block_size > 128 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -115,6 +118,14 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+
+
+    @property
+    def kv_events(self):
+        """The parsed `KVEventsConfig`; None when absent. Raises ValueError on a bad value."""
+        from engine.kv_events import KVEventsConfig
+
+        return KVEventsConfig.parse(self.kv_events_config)
 
 
 SCHEDULING_POLICIES = ("fair", "fcfs")

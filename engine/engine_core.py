@@ -15,6 +15,7 @@ import torch
 
 from engine.beam_search import BeamSearch, unblock_beam_searches
 from engine.block_manager import BlockManager
+from engine.kv_events import ZmqEventPublisher
 from engine.config import EngineConfig
 from engine.cpu_threads import apply_cpu_threads
 from engine.default_model import resolve_model_path
@@ -101,6 +102,14 @@ class EngineCore:
         # Llama-3-style configs list several end tokens; the rest stop like stop_token_ids.
         self.extra_eos_token_ids = eos_ids[1:]
         self.block_manager = BlockManager(self.worker.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        # KV-cache events (engine/kv_events.py): the block manager records them, each step's
+        # go to the publisher's thread as one batch.
+        self.kv_events: ZmqEventPublisher | None = None
+        kv_events_config = cc.kv_events
+        if kv_events_config is not None and kv_events_config.enabled:
+            self.kv_events = ZmqEventPublisher(kv_events_config)
+            self.block_manager.events = []
+            self.block_manager.events_medium = "GPU" if self.worker.device.type == "cuda" else "CPU"
         # On CPU without an explicit prefill cap: the default cap, scaled down with context.
         context_weight = None
         if self.worker.device.type == "cpu" and config.scheduler.long_prefill_token_threshold is None:
@@ -302,6 +311,8 @@ class EngineCore:
         if self.executor is not None:
             self.executor.shutdown()
         self.structured_output.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def _fatal_error(self, error: BaseException) -> None:
         if self.on_fatal_error is not None:
@@ -356,6 +367,7 @@ class EngineCore:
         st.step_time_s += t3 - t0
         st.forward_time_s += t2 - t1
         st.num_scheduled_tokens += sched.total_num_scheduled_tokens
+        self._publish_kv_events(stats)
         if stats is not None:
             stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
             self._report(stats)
@@ -418,9 +430,19 @@ class EngineCore:
                 search.abort(stats)
                 failed.append(search.request_id)
         self.block_manager.reset_prefix_cache()
+        self._publish_kv_events(stats)
         if stats is not None:
             self._report(stats)
         return StepFailedError(failed, error)
+
+    def _publish_kv_events(self, stats: StepStats | None) -> None:
+        """Hand this step's KV-cache events to the publisher as one batch (never blocks; a
+        full queue drops the batch, counted in the stats)."""
+        if self.kv_events is None:
+            return
+        events = self.block_manager.take_events()
+        if events and not self.kv_events.publish(events) and stats is not None:
+            stats.kv_events_dropped += len(events)
 
     def _new_step_stats(self, sched: SchedulerOutput | None) -> StepStats:
         """Counters start at zero; the gauges are filled by _report after the change."""

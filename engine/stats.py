@@ -32,6 +32,8 @@ class StepStats:
     """Prompt tokens of requests that produced their first token this step."""
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    kv_events_dropped: int = 0
+    """KV-cache events dropped this step: the publisher's queue was full."""
     prefix_cache_queries: int = 0
     """Prompt tokens looked up in the prefix cache this step."""
     prefix_cache_hits: int = 0

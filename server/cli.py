@@ -10,6 +10,7 @@ a flat YAML mapping of flag names (dashes or underscores; a bare name such as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ _ENGINE_KEYS = (
     "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "max_cuda_graph_batch_size", "load_format",
     "lm_head_quantization",
     "speculative_config",
+    "kv_events_config",
     "scheduling_policy",
     "batch_invariant", "cpu_threads",
     "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "allow_runtime_lora_loading", "lora_dir",
@@ -56,6 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cuda-graph-batch-size", type=int, default=None)
     parser.add_argument("--load-format", default=None, choices=LOAD_FORMATS)
     parser.add_argument("--speculative-config", default=None, metavar="JSON")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON")
     # In a --config file: `enable-prefix-caching: false`.
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of earlier requests' identical prompt prefixes")
@@ -252,6 +255,11 @@ def run_serve(ns: argparse.Namespace) -> int:
         keys = KeyRegistry(server_config.api_keys_file, server_config.api_key)
         config = EngineConfig.from_engine_args(model=ns.model, **engine_args_from(ns))
         model_name = ns.served_model_name or resolve_model_path(config.model.model).name
+        kv_events = config.cache.kv_events
+        if kv_events is not None and not kv_events.topic:
+            # The topic names the replica, so one subscriber can tell several apart.
+            kv_events.topic = f"kv@{ns.host}:{ns.port}@{model_name}"
+            config.cache.kv_events_config = dataclasses.asdict(kv_events)
         metrics = Metrics(
             model_name,
             max_model_len=config.model.max_model_len,

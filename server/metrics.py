@@ -114,6 +114,8 @@ class Metrics:
             "generation_tokens", "Number of generation tokens produced.")
         self.num_preemptions = counter(
             "num_preemptions", "Cumulative number of request preemptions.")
+        self.kv_events_dropped = counter(
+            "kv_events_dropped", "KV-cache events dropped because the publisher's queue was full.")
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prefix-cache queries, in tokens.")
         self.prefix_cache_hits = counter(
@@ -281,6 +283,8 @@ class Metrics:
             self.generation_tokens.inc(stats.num_generation_tokens)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
+        if stats.kv_events_dropped:
+            self.kv_events_dropped.inc(stats.kv_events_dropped)
         if stats.num_scheduled_tokens > 0:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
         self.record_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits)

@@ -217,7 +217,7 @@ def test_constraints_come_from_constraints_txt():
     copies = " ".join(final("COPY"))
     assert "constraints.txt" in copies
     setup = " ".join(final("RUN"))
-    assert "-c constraints.txt -e '.[convert]'" in setup
+    assert "-c constraints.txt -e '.[convert,kv-events]'" in setup
     # As in the Makefile: triton only when torch did not bring its own, at the Makefile's pin.
     assert "python -c 'import triton' 2>/dev/null || pip install \"${TRITON}\"" in setup
     makefile_pin = re.search(r"^TRITON \?= (\S+)", (REPO_ROOT / "Makefile").read_text(), re.M).group(1)
