@@ -40,6 +40,7 @@ from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
 from server.serving_lora import LoraServing
 from server.serving_messages import MessagesServing
+from server.request_id import RequestIdMiddleware
 from server.serving_render import RenderServing
 from server.serving_responses import OWNER_STATE, ResponsesServing
 from server.serving_tokenize import TokenizeServing
@@ -213,6 +214,8 @@ def build_app(
     install_openapi(app)
     if keys.enabled:
         app.add_middleware(APIKeyMiddleware, keys=keys)
+    # Outermost: a refused key's 401 carries the request's id too.
+    app.add_middleware(RequestIdMiddleware)
 
     @app.post("/v1/completions")
     async def completions_route(request: Request) -> Response:

@@ -335,6 +335,7 @@ class OpenAIServing:
         """The LoRA adapters a request's `model` may name (server/serving_lora.py `LoraServing`),
         set by build_app when LoRA is on."""
         self.engine_death_logged = False
+        self._engine_id_counter = 0
         self.tokenizers = TokenizerPool(engine.tokenizer, config.tokenizer_threads)
         engine.set_grammar_compile_hook(metrics.on_grammar_compiled)
         metrics.set_engine_info(engine.facts)
@@ -609,6 +610,15 @@ class OpenAIServing:
         """The `time.monotonic()` by which a request that arrived at `arrival` must end."""
         timeout = self.config.request_timeout_s
         return None if timeout is None else arrival + timeout
+
+    def engine_request_id(self, response_id: str, from_client: bool) -> str:
+        """The engine's id of a request whose response is `response_id`: the same, unless
+        the client chose it (X-Request-Id, server/request_id.py), which another running
+        request may share: then with a suffix unique to this server process."""
+        if not from_client:
+            return response_id
+        self._engine_id_counter += 1
+        return f"{response_id}~{self._engine_id_counter}"
 
     def start_streams(
         self, request_id: str, prompts: list[PromptInput], cache_salt: str | None, admission: Admission, arrival: float,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -51,6 +50,7 @@ from server.protocol import (
 )
 from server.protocol_vllm import chat_echo_prefix, prompt_logprobs_out
 from server.reasoning import ReasoningParser, reasoning_parser
+from server.request_id import response_id
 from server.serving import (
     Admission,
     OpenAIServing,
@@ -187,10 +187,11 @@ class ChatServing:
         serving.check_model(req.model)
         tools, admission, prompt = await self.admit_prompt(req, request)
         top_k = self._top_k(req)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id, given = response_id(request, "chatcmpl")
+        engine_id = serving.engine_request_id(request_id, given)
         created = int(time.time())
-        stream = serving.start_streams(request_id, [prompt], req.cache_salt, admission, arrival, "chat_completions")
-        readers = [self.tool_call_reader(tools, request_id, i) for i in range(req.n)] if tools.active else None
+        stream = serving.start_streams(engine_id, [prompt], req.cache_salt, admission, arrival, "chat_completions")
+        readers = [self.tool_call_reader(tools, engine_id, i) for i in range(req.n)] if tools.active else None
         if req.stream:
             events = self._stream(req, tools, request_id, created, prompt, stream, readers)
             return sse_response(serving.sse_events(events), admission)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -45,6 +44,7 @@ from server.protocol import (
     structured_output_spec,
 )
 from server.protocol_vllm import prompt_logprobs_out, top_entries, truncate_prompt
+from server.request_id import response_id
 from server.serving import (
     OpenAIServing,
     PromptInput,
@@ -87,9 +87,10 @@ class CompletionServing:
         params, samples, num_logprobs, num_prompt_logprobs = await self._prepare(req)
         admission = serving.admit(len(req.prompts) * samples, request, req.priority)
         prompts = await serving.tokenize(admission, self._tokenize, req.prompts, req.echo, params, req.truncate_prompt_tokens)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id, given = response_id(request, "cmpl")
         created = int(time.time())
-        stream = serving.start_streams(request_id, prompts, req.cache_salt, admission, arrival, "completions")
+        stream = serving.start_streams(serving.engine_request_id(request_id, given), prompts, req.cache_salt, admission,
+                                       arrival, "completions")
         as_token_ids = serving.as_token_ids(req)
         if req.stream:
             events = self._stream(req, request_id, created, prompts, stream, as_token_ids)
