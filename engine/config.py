@@ -167,11 +167,18 @@ class SchedulerConfig:
 class KernelConfig:
     kernel_backend: str = "auto"
     """auto (Triton on CUDA; on CPU the C++ kernels, or the torch reference where they cannot be built), cpu (the C++ kernels), torch (the reference), or triton (on CPU: the Triton interpreter)."""
-    batch_invariant: bool = False
-    """Same request, same tokens: on the C++ CPU kernels in bf16, every linear and the attention compute a row the same way whatever else shares the step (batch size, chunk length, prefix-cache hits), so greedy and seeded outputs do not depend on the server's load. Off by default: it costs ~12% of output tok/s at 1 stream and ~20% at 32 streams (docs/BENCHMARKS.md); off, oneDNN's packed GEMM runs past 8 rows and the attention takes its thread-split and blocked routes, which depend on the batch."""
+    batch_invariant: bool | None = None
+    """Same request, same tokens: every linear and the attention compute a row the same way whatever else shares the step (batch size, chunk length, prefix-cache hits), so greedy and seeded outputs do not depend on the server's load. Not set: on where it is free, the C++ CPU kernels (bf16 on AVX512-BF16: their one linear kernel and the invariant attention route, within 5% of the fastest path at 1 and 32 streams, docs/BENCHMARKS.md), off on the Triton backend (no split-K costs GPU decode speed). `--no-batch-invariant` on CPU: attention on its thread-split and blocked routes, which depend on the batch (faster prefill of long prompts)."""
 
     cpu_threads: int | None = None
     """Threads of the CPU kernels (per tensor-parallel rank: the ranks on one machine split them); none: the CPUs this process can get, the fewest of its affinity mask and its cgroup CPU quota (engine/cpu_threads.py; an explicit OMP_NUM_THREADS is kept). CPU only; logged at start-up."""
+
+    def batch_invariant_for(self, device: torch.device) -> bool:
+        """`batch_invariant` with "not set" resolved for `device`: on for the C++ CPU kernels
+        (`kernel_backend` auto or cpu on a CPU), off for the Triton and torch backends."""
+        if self.batch_invariant is not None:
+            return self.batch_invariant
+        return device.type == "cpu" and self.kernel_backend in ("auto", "cpu")
 
     def __post_init__(self) -> None:
         if self.kernel_backend not in KERNEL_BACKENDS:

@@ -20,10 +20,10 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_bytes
 from engine.loader import load_hf_config, load_model
 from engine.memory import profile_kv_cache_budget, take_snapshot
-from engine.models.llama import ALL_ROWS, FusedDecodeLayers, Linear, LlamaForCausalLM, ModelArgs, prepack_linears
+from engine.models.llama import FusedDecodeLayers, Linear, LlamaForCausalLM, ModelArgs, prepack_linears
 from engine.prompt_logprobs import PromptLogprobRows, chunked_logits
 from engine.quantization.linears import Int4Linear, Int8Linear
-from kernels.linear import GEMV_MAX_ROWS, gemv_unavailable_reason
+from kernels.linear import gemv_unavailable_reason
 from kernels.ops import KernelOps, get_ops
 
 if TYPE_CHECKING:
@@ -65,10 +65,10 @@ class Worker:
         # note the device's memory before anything is loaded.
         snapshot = take_snapshot(self.device) if self._profiles_memory else None
         self.model, self.layout = self._load()
-        invariant = config.kernel.batch_invariant
-        # On CPU: oneDNN's weight layout (the fast GEMM/GEMV), or in batch-invariant mode the
-        # dense bf16 weights the C++ kernels read at every row count.
-        self.num_packed_linears, self.num_shared_linears = prepack_linears(self.model, invariant)
+        invariant = self.batch_invariant = config.kernel.batch_invariant_for(self.device)
+        # On CPU each float weight held once, in the layout its kernel reads: the C++ bf16
+        # kernel's (bf16 on AVX512-BF16: one arithmetic at every row count) or oneDNN's.
+        self.num_packed_linears, self.num_shared_linears = prepack_linears(self.model)
         if self.device.type == "cpu" and self.layout is None and isinstance(self.model, LlamaForCausalLM):  # one process's whole model, bf16 GEMV linears
             self.model.fused_decode = FusedDecodeLayers.build(self.model, invariant)
         self.ops: KernelOps = get_ops(config.kernel.kernel_backend, self.device, invariant)
@@ -187,19 +187,16 @@ class Worker:
         }
         num_float = self._num_float_linears()
         if self.device.type == "cpu" and num_float:
-            shared = (f"; each weight held once, but the LM head tied to the embeddings (packed, and the dense "
-                      f"table for the lookup)") if self.num_shared_linears else "; each weight held once"
-            gemv = self._num_gemv_linears()
-            every = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.gemv_max_rows >= ALL_ROWS)
-            if every:  # batch-invariant mode: the C++ kernel at every row count, dense weights only
-                shared = (f"; {every} bf16 linears unpacked, each through the C++ kernels at every row count (GEMV up "
-                          f"to {GEMV_MAX_ROWS} rows, register-blocked GEMM above: one arithmetic, batch-invariant), "
-                          "each weight held once")
-            elif gemv:  # both copies: the dense one for the decode GEMV (kernels/linear.py)
-                tied = ", a tied LM head's being the embedding table" if self.num_shared_linears else ""
-                shared = (f"; {gemv} bf16 linears also keep their dense weight for the AVX512-BF16 GEMV of calls "
-                          f"up to {GEMV_MAX_ROWS} rows{tied} (PAGODA_CPU_GEMV=0: one copy)")
-            facts["linears"] = f"oneDNN-packed {self.num_packed_linears} of {num_float} float linears{shared}"
+            kernel = self._num_kernel_linears()
+            tied = ("; each weight held once, but the LM head tied to the embeddings (packed, and the dense "
+                    "table for the lookup)") if self.num_shared_linears else "; each weight held once"
+            onednn = self.num_packed_linears - kernel
+            if kernel:
+                facts["linears"] = (f"{kernel} of {num_float} float linears on the C++ bf16 kernel (one arithmetic "
+                                    f"at every row count: batch-invariant)"
+                                    + (f", {onednn} oneDNN-packed" if onednn else "") + tied)
+            else:
+                facts["linears"] = f"oneDNN-packed {self.num_packed_linears} of {num_float} float linears{tied}"
         if self.device.type == "cpu":
             fused = getattr(self.model, "fused_decode", None)
             facts["decode_layers"] = (
@@ -212,16 +209,18 @@ class Worker:
 
     def _batch_invariant_fact(self) -> str:
         """Whether a request's tokens are independent of the rest of the step (the start-up log says which mode is on)."""
-        if not self.config.kernel.batch_invariant:
-            return "off (--batch-invariant: on): outputs may change with the batch, the chunking and prefix-cache hits"
-        if self.device.type == "cpu" and self.ops.backend == "cpu" and self.dtype == torch.bfloat16 and self._num_invariant_linears():
+        if not self.batch_invariant:
+            why = ("--no-batch-invariant" if self.config.kernel.batch_invariant is False
+                   else f"the default on the {self.ops.backend} kernels; --batch-invariant: on")
+            return f"off ({why}): outputs may change with the batch, the chunking and prefix-cache hits"
+        if self.device.type == "cpu" and self.ops.backend == "cpu" and self.dtype == torch.bfloat16 and self._all_float_linears_invariant():
             return "on: greedy and seeded outputs do not depend on the batch, the chunking or the prefix cache"
         if self.ops.backend == "triton":
             return (f"attention and quantized linears only ({self.dtype}): the Triton attention and INT8/INT4 "
                     "GEMMs take one config whatever the batch (no split-K, one tile shape); float linears "
                     "(torch's matmuls, cuBLAS on CUDA) are not batch-invariant, so outputs may still change "
                     "with the batch unless every linear is quantized")
-        return (f"asked, but not guaranteed on this path ({self.ops.backend} kernels, {self.dtype}): the invariant "
+        return (f"not guaranteed on this path ({self.ops.backend} kernels, {self.dtype}): the invariant "
                 "kernels are the C++ CPU ones in bf16 on AVX512-BF16")
 
     def prefill_context_weight(self) -> int:
@@ -241,15 +240,17 @@ class Worker:
         slowdown = CPU_BLOCKED_ATTENTION_SLOWDOWN if blocked else CPU_ATTENTION_SLOWDOWN
         return max(1, int(2 * linear_weights / (4 * q * slowdown)))
 
-    def _num_gemv_linears(self) -> int:
-        return sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.gemv_max_rows)
-
-    def _num_invariant_linears(self) -> int:
-        """Float linears that run the C++ kernel at every row count (batch-invariant mode)."""
-        return sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.gemv_max_rows >= ALL_ROWS)
+    def _num_kernel_linears(self) -> int:
+        """Float linears on the C++ bf16 kernel (every row count, one arithmetic: batch-invariant)."""
+        return sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.kernel_weight is not None)
 
     def _num_float_linears(self) -> int:
-        return sum(1 for m in self.model.modules() if isinstance(m, Linear) and (m.weight is not None or m.packed is not None))
+        return sum(1 for m in self.model.modules()
+                   if isinstance(m, Linear) and (m.weight is not None or m.packed is not None or m.kernel_weight is not None))
+
+    def _all_float_linears_invariant(self) -> bool:
+        """Whether every float linear runs the C++ bf16 kernel (oneDNN's GEMM is not batch-invariant)."""
+        return self._num_kernel_linears() == self._num_float_linears()
 
     def _lm_head_fact(self) -> str:
         """How the LM head is held: INT8 (under --quantization, --lm-head-quantization) or
@@ -276,15 +277,15 @@ class Worker:
         out = []
         if self.device.type == "cpu":
             num_float = self._num_float_linears()
-            if self.num_packed_linears + self._num_invariant_linears() < num_float:
+            if self.num_packed_linears < num_float:
                 out.append(
                     f"{num_float - self.num_packed_linears} float linear(s) could not be oneDNN-packed and run "
                     "on torch's default GEMM"
                 )
-            if self.dtype == torch.bfloat16 and self.num_packed_linears and not self._num_gemv_linears():
+            if self.dtype == torch.bfloat16 and self.num_packed_linears and not self._num_kernel_linears():
                 out.append(
-                    f"the bf16 decode GEMV is off ({gemv_unavailable_reason()}): few-row bf16 linears run on "
-                    "oneDNN's packed GEMV (about half the weight-stream rate)"
+                    f"the C++ bf16 linear kernel is off ({gemv_unavailable_reason()}): bf16 linears run on oneDNN's "
+                    "packed GEMM (about half the weight-stream rate at decode, and not batch-invariant)"
                 )
         if self.device.type == "cpu" and self.ops.backend == "torch" and self.config.kernel.kernel_backend == "auto":
             from kernels.cpu_kernels import unavailable_reason

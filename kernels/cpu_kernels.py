@@ -9,10 +9,11 @@ builds it ahead of time (`python -m kernels.cpu_kernels`); a later start loads i
 under a second. Where it cannot be built (no compiler, another OS), `load()` returns None
 with the reason, and the engine runs the torch reference ops and logs that it does.
 
-The bf16 small-batch GEMV (`bf16_linear`, AVX512-BF16 CPUs only: `bf16_gemv_available`)
-is routed by kernels/linear.py and engine/models/llama.py's `Linear`, not by KernelOps:
-decode-sized calls of bf16 linears, whatever the kernel backend, like the oneDNN path. Its
-int8 sibling (`int8_linear`) is routed by kernels/quant_linear.py for W8A16 linears.
+The bf16 linear kernel (`bf16_linear` on weights packed by `pack_bf16_weight`, AVX512-BF16
+CPUs only: `bf16_gemv_available`) is routed by engine/models/llama.py's `Linear`, not by
+KernelOps: every call of a bf16 linear, whatever the kernel backend, as the oneDNN path
+otherwise. The int8 GEMV (`int8_linear`) is routed by kernels/quant_linear.py for few-row
+W8A16 calls.
 
 Attention routing (`paged_attention`):
 - bf16 on AVX512-BF16 CPUs (head dims 64/128/256): every chunk in the C++ kernel, which
@@ -60,7 +61,8 @@ FEW_ROWS = 8
 # its 32-row tiles beat the few-row loop (1.6x at 18 rows, 0.9x at 9, in a development
 # A/B over 8 sequences of 200 tokens; less than a tile pads the rest).
 BLOCK_MIN_ROWS = 16
-# The batch-invariant bf16 route (`--batch-invariant`; `paged_attention(..., invariant=True)`): a
+# The batch-invariant bf16 route (the default on the C++ kernels, `--no-batch-invariant` turns it
+# off; `paged_attention(..., invariant=True)`): a
 # query row's output is the same bits whatever else the step holds (csrc/cpu_kernels.cpp,
 # `attention_invariant`). Its keys are cut into parts at multiples of KEY_PART positions,
 # merged in order; the parts are what the threads share, so a batch-1 decode at 1-2k
@@ -156,17 +158,23 @@ def bf16_gemv_available() -> bool:
     return bool(_state["bf16_gemv"])
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                invariant: bool = False) -> torch.Tensor:
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The bf16 linear kernel's copy of a dense bf16 CPU weight [N, K] (csrc/cpu_kernels.cpp
+    `pack_bf16_weight`): vdpbf16ps's pair layout in groups of 32 outputs, as a tensor of the
+    weight's shape that only `bf16_linear`, `bf16_silu_mlp` and `bf16_decode_layers` read
+    (they refuse a dense weight). Only where `bf16_gemv_available()`."""
+    return load().pack_bf16_weight(weight)
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for bfloat16 CPU tensors through the C++ kernel
-    (csrc/cpu_kernels.cpp `bf16_gemv`): the GEMV, the dense weight [N, K] streamed once at
-    close to copy bandwidth, products exact and summed in float32, each output rounded to
-    bf16 once; for few rows (kernels/linear.py sends calls past `GEMV_MAX_ROWS` rows to
-    oneDNN's packed GEMM). With `invariant` (`--batch-invariant`) any row count: the GEMV
-    up to 8 rows and register-blocked GEMM tiles above, every output the same function of
-    its x row and weight row (one float32 chain over K, one fixed lane tree), so a row's
-    result does not depend on the other rows. Only where `bf16_gemv_available()`."""
-    return _rowwise(lambda out, rows: load().bf16_gemv(out, rows, weight, bias, invariant), x, weight.shape[0])
+    (csrc/cpu_kernels.cpp `bf16_linear_impl`), `packed` = `pack_bf16_weight(weight)`. One
+    kernel at every row count: each output is one float32 chain of vdpbf16ps pair products
+    over K in order, the bias added, rounded to bf16 once, so a row's result does not depend
+    on the other rows of the call (batch invariance); as fast as oneDNN's packed GEMM on
+    prefill-sized calls and a weight stream at decode (docs/BENCHMARKS.md). Only where
+    `bf16_gemv_available()`."""
+    return _rowwise(lambda out, rows: load().bf16_gemv(out, rows, packed, bias), x, packed.shape[0])
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -180,16 +188,16 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     return _rowwise(lambda out, rows: load().int8_gemv(out, rows, qweight, scales), x, qweight.shape[0])
 
 
-def bf16_silu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-                  invariant: bool = False) -> torch.Tensor:
+def bf16_silu_mlp(x: torch.Tensor, gate_up_packed: torch.Tensor, down_packed: torch.Tensor) -> torch.Tensor:
     """`F.linear(F.silu(gate) * up, down_weight)` with `gate, up = F.linear(x, gate_up_weight)
     .chunk(2, -1)`, bfloat16 and without biases, in one call (csrc/cpu_kernels.cpp
-    `bf16_silu_mlp`): both linears through the GEMV, each intermediate rounded to bf16 as
-    the eager ops round. At any row count where the linears run the C++ kernel (batch-
-    invariant mode: every call; otherwise decode batches of up to 8 rows); one call instead
-    of five saves their Python and dispatch. Only where `bf16_gemv_available()`."""
-    return _rowwise(lambda out, rows: load().bf16_silu_mlp(out, rows, gate_up_weight, down_weight, invariant), x,
-                    down_weight.shape[0])
+    `bf16_silu_mlp`), the weights packed by `pack_bf16_weight`: both linears through
+    `bf16_linear`'s kernel, the SiLU-and-multiply vectorised in C++, each intermediate rounded
+    to bf16 as the eager ops round. Any row count (batch-invariant: the same arithmetic for a
+    row alone or in a prefill); one call instead of five saves their Python and dispatch at
+    decode. Only where `bf16_gemv_available()`."""
+    return _rowwise(lambda out, rows: load().bf16_silu_mlp(out, rows, gate_up_packed, down_packed), x,
+                    down_packed.shape[0])
 
 
 def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_tensors: list[torch.Tensor],
@@ -207,16 +215,16 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
 
     `layer_tensors`: 14 per layer: input norm; qkv and o as (weight, bias, scales);
     post-attention norm; gate_up and down as (weight, bias, scales), an empty tensor for
-    a missing bias or scales. `kinds`: each layer's 4 linears: 0 a dense bf16 weight (the
-    GEMV), G > 0 torch's CPU int4 layout with group size G, -1 int8 with bf16 row scales.
+    a missing bias or scales. `kinds`: each layer's 4 linears: 0 a bf16 weight packed by
+    `pack_bf16_weight`, G > 0 torch's CPU int4 layout with group size G, -1 int8 with bf16 row scales.
     `kv_caches`: key, value per layer; `windows`: each layer's sliding window (0: none).
     Only where `bf16_gemv_available()` and `few_rows_q_chunk` is not None for the head
     dim (engine/models/llama.py `FusedDecodeLayers` checks both).
 
     Returns the model's final norm (weight `final_norm` [hidden], bf16) of the last layer's
     output rows `out_rows` (int64 [R]: the rows that sample), [R, hidden], as `add_rms_norm`
-    with no add computes it; with `lm_head` [vocab, hidden] (bf16, no bias), their logits
-    instead: float32 [R, vocab], each the bf16 the head's GEMV rounds it to (as
+    with no add computes it; with `lm_head` [vocab, hidden] (bf16, packed, no bias), their
+    logits instead: float32 [R, vocab], each the bf16 the head's kernel rounds it to (as
     `bf16_linear(hidden, lm_head).float()`). `invariant`: attention on `paged_attention`'s
     batch-invariant route (as the per-op forward with the same setting)."""
     q_chunk = INVARIANT_Q_CHUNK if invariant else _few_rows_per_item(num_heads, num_kv_heads)
@@ -272,7 +280,7 @@ def paged_attention(
     invariant: bool = False,
 ) -> torch.Tensor:
     """The reference op's semantics (kernels/reference.py), routed as the module docstring says.
-    bf16 with `invariant` (`--batch-invariant`): every chunk on the
+    bf16 with `invariant` (batch invariance: the engine's default here): every chunk on the
     batch-invariant route, so a row's output does not depend on the step's other rows, its
     chunk's length or which of its keys were cached."""
     query = query.contiguous()

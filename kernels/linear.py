@@ -7,19 +7,12 @@ thread, once the weight is reordered into its blocked layout. `pack_weight` make
 copy once, at engine start; `linear` uses it when given. `python -m loadtest.bench_linear`
 measures both paths per call on the default model's shapes (figures: docs/BENCHMARKS.md).
 
-bf16 on a CPU with AVX512-BF16: up to `GEMV_MAX_ROWS` rows (decode batches of 1-8
-sequences, speculative verification chunks of 1 + k rows) a linear runs the
-C++ GEMV on the dense weight instead (`cpu_kernels.bf16_linear`: it streams the weight
-at close to copy bandwidth, 1.5-2x oneDNN's 1-row bf16 GEMV rate here), so such a layer
-holds both the dense and the packed weight (`engine/models/llama.py` `prepack_linears`;
-`PAGODA_CPU_GEMV=0` keeps one copy, oneDNN only). Where the CPU lacks AVX512-BF16 the
-packed path runs at every row count (the engine logs it).
-
-With `--batch-invariant` (`engine/models/llama.py` `prepack_linears`) such bf16 linears are
-not packed at all: every call, at any row count, runs the C++ kernel (its GEMV up to 8 rows,
-register-blocked GEMM tiles above, one per-output arithmetic), so a row's outputs do not
-depend on the other rows of the call; this module's routing by row count is the default
-path, and float32's.
+bf16 on a CPU with AVX512-BF16 (`gemv_enabled`), the engine runs bf16 linears through the
+C++ kernel instead (`cpu_kernels.pack_bf16_weight` + `bf16_linear`, set up by
+`engine/models/llama.py` `prepack_linears`): one kernel at every row count, batch-invariant,
+as fast as oneDNN's packed GEMM on prefill-sized calls and 1.2-2x its GEMV at decode.
+`PAGODA_CPU_GEMV=0` gives them this module's oneDNN path (not batch-invariant; for A/B runs).
+Where the CPU lacks AVX512-BF16 the oneDNN path runs (the engine logs it).
 
 Without a packed weight (CUDA, other dtypes, a torch without oneDNN), decode on CPU
 falls back to the sliced batched GEMV below: `bmm` over P row-slices of the weight
@@ -39,19 +32,10 @@ SMALL_BATCH_ROWS = 32
 # The batch size oneDNN's weight layout is chosen for: one layout for decode and prefill
 # alike, close to the best at every row count we serve (docs/BENCHMARKS.md).
 PACK_BATCH_HINT = 64
-# Up to this many rows a bf16 linear runs the C++ AVX512-BF16 GEMV on the dense weight,
-# above it oneDNN's packed GEMM. Measured per call (`python -m loadtest.bench_linear`,
-# docs/BENCHMARKS.md), two threads: 1.3-1.8x oneDNN at 1 row, about level at 4-8 rows on
-# the decoder's shapes (5-8 rows take one pass over W, the kernel's wide path), so decode
-# batches of up to 8 and speculative verification chunks (1 + k rows) take it; beyond 8
-# oneDNN's GEMM is ahead.
-GEMV_MAX_ROWS = 8
-
-
 def gemv_enabled() -> bool:
-    """Whether bf16 linears may take the C++ GEMV for few rows: the CPU and the build have
-    AVX512-BF16 (`cpu_kernels.bf16_gemv_available`) and `PAGODA_CPU_GEMV` is not "0" (which
-    keeps each weight once, in oneDNN's layout only, at the GEMV's speed cost)."""
+    """Whether bf16 linears run the C++ bf16 kernel (`cpu_kernels.bf16_linear`): the CPU and
+    the build have AVX512-BF16 (`cpu_kernels.bf16_gemv_available`) and `PAGODA_CPU_GEMV` is
+    not "0" (which gives them oneDNN's packed GEMM: slower at decode, not batch-invariant)."""
     if os.environ.get("PAGODA_CPU_GEMV", "1") == "0" or not sys.platform.startswith("linux"):
         return False
     from kernels import cpu_kernels
@@ -71,7 +55,7 @@ def gemv_unavailable_reason() -> str:
 
 
 def gemv_takes(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `cpu_kernels.bf16_linear` takes this weight and bias: dense bf16 on CPU."""
+    """Whether the C++ bf16 kernel takes this weight and bias: dense bf16 on CPU."""
     ok = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.is_contiguous()
     return ok and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
 

@@ -7,9 +7,9 @@ times, in one process and alternating: torch's default path (what `linear` ran b
 oneDNN change: the sliced `bmm` GEMV up to 32 float32 rows, `F.linear` otherwise, i.e. MKL
 in float32 and oneDNN without a prepacked weight in bf16), the oneDNN path with a
 prepacked weight (`pack_weight` + `linear`), and in bf16 the C++ AVX512-BF16 kernel on
-the dense weight (`cpu_kernels.bf16_linear`, where the CPU has it: its GEMV up to 8 rows,
-its register-blocked GEMM tiles above; the engine routes up to `GEMV_MAX_ROWS` rows to it,
-and every row count with `--batch-invariant`). Each timing cycles through
+its packed weight (`cpu_kernels.pack_bf16_weight` + `bf16_linear`, where the CPU has it:
+the one kernel the engine runs every bf16 linear through, at every row count, so a row's
+outputs do not depend on the call's other rows). Each timing cycles through
 enough distinct weights (~200 MB) that they stream from memory, as in a decode step,
 instead of sitting in the caches. Also prints the 2048^3 GEMM rate of MKL (`torch.mm`) and
 of oneDNN, the two limits `bench_offline` takes the faster of.
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
-from kernels.linear import GEMV_MAX_ROWS, SMALL_BATCH_ROWS, linear, pack_weight
+from kernels.linear import SMALL_BATCH_ROWS, linear, pack_weight
 
 SHAPES = {
     "qkv [960x576]": (960, 576),
@@ -32,8 +32,7 @@ SHAPES = {
     "down_proj [576x1536]": (576, 1536),
     "lm_head [49152x576]": (49152, 576),
 }
-# The C++ kernel is timed up to this many rows: its GEMV up to 8, its GEMM tiles above (the
-# route of every row count with `--batch-invariant`).
+# The C++ kernel is timed up to this many rows (a prefill chunk's at most, by default).
 GEMV_BENCH_ROWS = 2048
 
 
@@ -75,9 +74,9 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     gemv = cpu_kernels.bf16_gemv_available()
-    print(f"C++ bf16 GEMV: {'available' if gemv else 'not available on this CPU/build (column left empty)'}")
+    print(f"C++ bf16 kernel: {'available' if gemv else 'not available on this CPU/build (column left empty)'}")
     print("| dtype | weight | rows | default path ms | oneDNN packed ms | speed-up | oneDNN GB/s of weight "
-          "| C++ GEMV ms | C++ GEMV GB/s | GEMV / oneDNN |")
+          "| C++ kernel ms | C++ kernel GB/s | C++ / oneDNN speed |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for name, (n, k) in SHAPES.items():
@@ -85,6 +84,7 @@ def main() -> None:
             count = max(2, args.stream_mb * 1_000_000 // size)
             weights = [torch.randn(n, k).to(dtype) for _ in range(count)]
             packed = [pack_weight(w) for w in weights]
+            kernel_weights = [cpu_kernels.pack_bf16_weight(w) for w in weights] if gemv and dtype == torch.bfloat16 else []
             if any(pw is None for pw in packed):
                 print(f"| {dtype} | {name} | - | - | unavailable | | | | | |")
                 continue
@@ -94,14 +94,12 @@ def main() -> None:
                 old = time_per_call(_old_path, x, weights)
                 new = time_per_call(lambda xs, wp: linear(xs, wp[0], None, wp[1]), x, pairs)
                 cells = ["", "", ""]
-                if gemv and dtype == torch.bfloat16 and rows <= GEMV_BENCH_ROWS:
-                    # Past GEMV_MAX_ROWS rows only `--batch-invariant` runs the C++ kernel (its GEMM tiles).
-                    invariant = rows > GEMV_MAX_ROWS
-                    cpp = time_per_call(lambda xs, w: cpu_kernels.bf16_linear(xs, w, None, invariant), x, weights)
+                if kernel_weights and rows <= GEMV_BENCH_ROWS:
+                    cpp = time_per_call(lambda xs, w: cpu_kernels.bf16_linear(xs, w), x, kernel_weights)
                     cells = [f"{cpp * 1e3:.3f}", f"{size / cpp / 1e9:.1f}", f"{new / cpp:.2f}x"]
                 print(f"| {str(dtype)[6:]} | {name} | {rows} | {old * 1e3:.3f} | {new * 1e3:.3f} | {old / new:.2f}x "
                       f"| {size / new / 1e9:.1f} | " + " | ".join(cells) + " |")
-            del weights, packed, pairs
+            del weights, packed, pairs, kernel_weights
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         mkl, onednn = gemm_rates(dtype)
         print(f"GEMM 2048^3 {str(dtype)[6:]}: torch.mm (MKL) {mkl:.0f} GFLOP/s, oneDNN packed {onednn:.0f} GFLOP/s")

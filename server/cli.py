@@ -62,8 +62,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     # In a --config file: `enable-prefix-caching: false`.
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of earlier requests' identical prompt prefixes")
-    # In a --config file: `batch-invariant: true`.
-    parser.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None)
+    # In a --config file: `batch-invariant: false`.
+    parser.add_argument("--batch-invariant", dest="batch_invariant", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--enable-lora", dest="enable_lora", action="store_true", default=None)
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH")
     parser.add_argument("--max-loras", type=int, default=None)

@@ -18,9 +18,9 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.models.args import ModelArgs, rope_inv_freq
 from kernels import cpu_kernels
-from kernels.cpu_kernels import bf16_linear, bf16_silu_mlp
+from kernels.cpu_kernels import bf16_linear, bf16_silu_mlp, pack_bf16_weight
 from kernels.elementwise import rms_norm, rotate_half
-from kernels.linear import GEMV_MAX_ROWS, gemv_enabled, gemv_takes, linear, pack_weight, packed_linear
+from kernels.linear import gemv_enabled, gemv_takes, linear, pack_weight, packed_linear
 from kernels.ops import KernelOps
 
 # Checkpoint tensors that load into a slice of a fused parameter: (fused name, shard index).
@@ -96,82 +96,72 @@ class Linear(nn.Module):
         # once the weights are final, which then drops `weight` (None): the packed copy is
         # the only one. A plain attribute, outside the state dict.
         self.packed: torch.Tensor | None = None
-        # Up to this many rows (0: never) `forward` runs the C++ bf16 GEMV on the dense
-        # `weight`, kept beside the packed copy for it (`prepack_linears`).
-        self.gemv_max_rows = 0
+        # Or, for a bf16 weight on an AVX512-BF16 CPU, the C++ bf16 kernel's copy
+        # (`cpu_kernels.pack_bf16_weight`, set by `prepack_linears` instead of `packed`):
+        # every bf16 call runs that kernel, at any row count.
+        self.kernel_weight: torch.Tensor | None = None
 
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
         start = sum(self.shard_sizes[:index])
         return param.narrow(0, start, self.shard_sizes[index])
 
-    def gemv_runs(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` runs the C++ bf16 GEMV (a few bf16 rows, `gemv_max_rows`)."""
-        return bool(self.gemv_max_rows) and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and x.dtype == torch.bfloat16
+    def kernel_runs(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` runs the C++ bf16 linear kernel (bf16 x, a packed `kernel_weight`)."""
+        return self.kernel_weight is not None and x.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv_runs(x):
-            return bf16_linear(x, self.weight, self.bias, self.gemv_max_rows >= ALL_ROWS)
+        if self.kernel_runs(x):
+            return bf16_linear(x, self.kernel_weight, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
 
 
-# `Linear.gemv_max_rows` for a linear whose every call runs the C++ kernel (batch-invariant mode).
-ALL_ROWS = 2**62
-
-
-def prepack_linears(model: nn.Module, batch_invariant: bool = False) -> tuple[int, int]:
+def prepack_linears(model: nn.Module) -> tuple[int, int]:
     """Give every float `Linear` of a model whose weights will no longer change (the
     serving runtime, not calibration, sharding or quantization, which read the dense
-    weight) its oneDNN-packed weight, and drop the dense one: each weight is held once.
+    weight) the one copy of its weight the CPU kernels read, and drop the dense one: each
+    weight is held once.
 
-    The exception is a weight another module also reads: an LM head tied to the
-    embeddings. The lookup needs the dense table's rows, which the packed layout does not
-    give, and the head through the dense weight is ~30% slower per call than packed (it
-    streams the largest matrix of a small model every step; docs/BENCHMARKS.md), so such
-    a head is packed and the dense table kept: one extra copy of the vocabulary matrix.
+    bf16 where the C++ kernel runs (`kernels.linear.gemv_enabled`: AVX512-BF16): the bf16
+    kernel's packed copy (`kernel_weight`). That kernel serves every row count with one
+    arithmetic per output, so a row's result does not depend on the other rows of the
+    call (batch invariance: docs/ARCHITECTURE.md, "Same request, same tokens"), at oneDNN's
+    speed on prefill-sized calls and faster at decode (docs/BENCHMARKS.md).
+    `PAGODA_CPU_GEMV=0` gives such linears oneDNN's copy instead (not batch-invariant).
 
-    bf16 where the C++ GEMV runs (`kernels.linear.gemv_enabled`: AVX512-BF16): every
-    packed linear also keeps its dense weight, which few-row calls (decode, up to
-    `GEMV_MAX_ROWS`) stream through the GEMV at 1.5-2x oneDNN's GEMV rate, while
-    larger ones (prefill, big decode batches) keep oneDNN's faster packed GEMM: +1x the
-    decoder's linear weights in memory (+212 MB for SmolLM2-135M in bf16; a tied head's
-    dense table exists anyway). One copy would cost one of the two: the dense weight
-    through F.linear is 1.2-2x slower than packed at 4-32 rows, and the GEMV is only level
-    with oneDNN at 4-8 rows (docs/BENCHMARKS.md). `PAGODA_CPU_GEMV=0` keeps one copy.
+    Otherwise (float32, a CPU without AVX512-BF16): oneDNN's packed copy (`packed`).
 
-    With `batch_invariant` (`--batch-invariant`) such bf16 linears are not packed at all:
-    every call, at any row count, runs the C++ kernel (its GEMV up to 8 rows, its
-    register-blocked GEMM above, one per-output arithmetic: kernels/csrc/cpu_kernels.cpp),
-    so a row's outputs do not depend on how many rows share the call, and each weight is
-    held once. Returns how many were packed (none off the CPU: `pack_weight` takes CPU weights only)
-    and how many of those keep a dense weight because it is shared."""
+    The exception to "held once" is a weight another module also reads: an LM head tied to
+    the embeddings. The lookup needs the dense table's rows, which neither packed layout
+    gives, and the head through the dense weight is ~30% slower per call than packed (it
+    streams the largest matrix of a small model every step; docs/BENCHMARKS.md), so such a
+    head is packed and the dense table kept: one extra copy of the vocabulary matrix.
+
+    Returns how many linears were packed (either way; none off the CPU: both copies are
+    CPU-only) and how many of those keep a dense weight because it is shared."""
     # By storage, not by Parameter: tensor parallelism re-wraps the tied table's data.
     shared = {
         param.untyped_storage().data_ptr() for module in model.modules() if not isinstance(module, Linear)
         for param in module.parameters(recurse=False)
     }
     packed = kept_shared = 0
-    gemv = None  # whether the GEMV runs here: asked once, and only for a bf16 model
+    kernel = None  # whether the C++ bf16 kernel runs here: asked once, and only for a bf16 model
     for module in model.modules():
         if not isinstance(module, Linear) or module.weight is None:
             continue
-        if batch_invariant and gemv_takes(module.weight, module.bias):
-            gemv = gemv_enabled() if gemv is None else gemv
-            if gemv:
-                module.gemv_max_rows = ALL_ROWS  # the dense weight only, through the C++ kernel
-                continue
-        module.packed = pack_weight(module.weight)
-        if module.packed is None:
-            continue
-        packed += 1
         if gemv_takes(module.weight, module.bias):
-            gemv = gemv_enabled() if gemv is None else gemv
-            if gemv:
-                module.gemv_max_rows = GEMV_MAX_ROWS  # and the dense weight stays, for the GEMV
+            kernel = gemv_enabled() if kernel is None else kernel
+        if kernel and gemv_takes(module.weight, module.bias):
+            module.kernel_weight = pack_bf16_weight(module.weight)
+        else:
+            module.packed = pack_weight(module.weight)
+            if module.packed is None:
+                continue
+        packed += 1
         if module.weight.untyped_storage().data_ptr() in shared:
             kept_shared += 1  # the embedding still reads it
-        elif not module.gemv_max_rows:
+        else:
             module.weight = None  # the packed copy is the only one from here on
     return packed, kept_shared
 
@@ -266,12 +256,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
-        if (self.act is F.silu and type(gate_up) is Linear and type(down) is Linear and gate_up.gemv_runs(x)
-                and down.gemv_max_rows and gate_up.bias is None and down.bias is None
+        if (self.act is F.silu and type(gate_up) is Linear and type(down) is Linear and gate_up.kernel_runs(x)
+                and down.kernel_weight is not None and gate_up.bias is None and down.bias is None
                 and (self.lora is None or not self.lora.active)):  # the one C++ call has no LoRA hook points
-            # Decode rows in bf16 where both linears run the GEMV: the whole MLP in one C++
-            # call (same rounding as the eager ops below, without their per-op overhead).
-            return bf16_silu_mlp(x, gate_up.weight, down.weight, gate_up.gemv_max_rows >= ALL_ROWS)
+            # bf16 rows where both linears run the C++ kernel: the whole MLP in one C++ call, at
+            # any row count (its SiLU-and-multiply is one arithmetic for every row: batch-
+            # invariant; the eager ops below round the same way, their float exp is torch's).
+            return bf16_silu_mlp(x, gate_up.kernel_weight, down.kernel_weight)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -296,11 +287,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+# Decode steps of up to this many rows (tokens) take the fused C++ call (`FusedDecodeLayers`):
+# decode batches of 1-8 sequences and speculative verification chunks of 1 + k rows, where
+# a layer's ~10 Python calls cost as much as its arithmetic.
+FUSED_DECODE_MAX_ROWS = 8
+
+
 class FusedDecodeLayers:
     """A decode step's embedding lookup, every decoder layer and the final norm of its
     sampling rows (and a plain LM head's logits: `LlamaForCausalLM.decode_logits`) in one
     C++ call (kernels/cpu_kernels.py `bf16_decode_layers`), for the few bf16 rows the
-    decode linears' small-batch kernels take: the bf16 GEMV on dense weights, torch's int4
+    decode linears' small-batch kernels take: the C++ bf16 kernel on packed weights, torch's int4
     and int8 CPU kernels on quantized ones.
 
     At batch 1 the bundled model's bf16 step streams ~270 MB of weights, ~8 ms at this
@@ -312,7 +309,7 @@ class FusedDecodeLayers:
     parallelism, other quantized layouts).
 
     `build` returns None unless every layer is the plain Llama block of this module
-    (Llama, Mistral, Qwen2: no q/k norms, a SiLU MLP) whose linears are each a GEMV
+    (Llama, Mistral, Qwen2: no q/k norms, a SiLU MLP) whose linears are each a bf16 kernel
     `Linear`, an `Int4Linear` in torch's CPU layout or an `Int8Linear` with bf16 scales,
     the head dim one the C++ attention's bf16 loops take, and the C++ kernels built with
     AVX512-BF16. `PAGODA_CPU_FUSED_DECODE=0` turns it off (the per-op path, for A/B runs)."""
@@ -338,20 +335,20 @@ class FusedDecodeLayers:
             self.windows.append(int(attn.sliding_window or 0))
         self.embedding = model.model.embed_tokens.weight.data
         self.final_norm = model.model.norm.weight.data
-        # The LM head too (`logits`) where the model's `compute_logits` is a plain GEMV head:
+        # The LM head too (`logits`) where the model's `compute_logits` is a plain bf16-kernel head:
         # no bias, no soft-capping, not quantized (the INT4 model's INT8 head stays per-op).
         head = model.lm_head
         plain_head = (type(model).compute_logits is LlamaForCausalLM.compute_logits and type(head) is Linear
-                      and head.bias is None and head.gemv_max_rows >= max_rows
+                      and head.bias is None and head.kernel_weight is not None
                       and model.args.final_logit_softcapping is None)
-        self.lm_head: torch.Tensor | None = head.weight.data if plain_head else None
+        self.lm_head: torch.Tensor | None = head.kernel_weight if plain_head else None
         self.rope = model.rope
 
     def _add_linear(self, linear: nn.Module) -> None:
         none = torch.empty(0, dtype=torch.bfloat16)
         bias = none if linear.bias is None else linear.bias
         if type(linear) is Linear:
-            self.tensors += [linear.weight, bias, none]
+            self.tensors += [linear.kernel_weight, bias, none]
             self.kinds.append(0)
         elif _is_cpu_int4(linear):
             self.tensors += [linear.qweight, bias, linear.scales_and_zeros]
@@ -374,7 +371,6 @@ class FusedDecodeLayers:
                 or not isinstance(model.rope, RotaryEmbedding) or args.qk_norm
                 or not cpu_kernels.blocked_attention_runs(torch.bfloat16, args.head_dim)):
             return None
-        max_rows = GEMV_MAX_ROWS
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -386,9 +382,7 @@ class FusedDecodeLayers:
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if not _decode_kernel_runs(linear):
                     return None
-                if type(linear) is Linear:
-                    max_rows = min(max_rows, linear.gemv_max_rows)
-        return cls(model, min(max_rows, GEMV_MAX_ROWS), batch_invariant)
+        return cls(model, FUSED_DECODE_MAX_ROWS, batch_invariant)
 
     def runs(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: KernelOps) -> bool:
         """Whether this step's layers go through the C++ call: a few rows (tokens) on the C++
@@ -421,7 +415,7 @@ def _is_cpu_int4(linear: nn.Module) -> bool:
 
 def _decode_kernel_runs(linear: nn.Module) -> bool:
     """Whether the fused decode call runs this linear as the per-op forward does: the bf16
-    GEMV (a dense `Linear` that keeps it), torch's CPU int4 kernel (an `Int4Linear` in its
+    kernel (a `Linear` with a `kernel_weight`), torch's CPU int4 kernel (an `Int4Linear` in its
     layout) or its int8 kernel (an `Int8Linear` with the bf16 scales it takes), bf16 biases."""
     from engine.quantization.linears import Int8Linear
     from kernels.quant_linear import cpu_int8_mm_available
@@ -429,7 +423,7 @@ def _decode_kernel_runs(linear: nn.Module) -> bool:
     if linear.bias is not None and linear.bias.dtype != torch.bfloat16:
         return False
     if type(linear) is Linear:
-        return bool(linear.gemv_max_rows) and linear.weight.dtype == torch.bfloat16
+        return linear.kernel_weight is not None
     if _is_cpu_int4(linear):
         return True
     return type(linear) is Int8Linear and linear.scales.dtype == torch.bfloat16 and cpu_int8_mm_available()

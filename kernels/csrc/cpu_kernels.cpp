@@ -1300,35 +1300,33 @@ void rotary(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tens
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// Small-batch bf16 linear: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in its plain dense
-// row-major layout. At decode (a few rows) a linear is a weight stream: each weight is
-// used M times, so its time is the bytes of W over the memory bandwidth. oneDNN's bf16
-// GEMV streams its packed weight at well under what a plain copy reaches on this
-// project's CPUs; this loop reads W once, front to back, at close to copy speed.
+// bf16 linear: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), one kernel for every row count, so
+// a row's outputs are the same bits however many rows share the call (batch invariance:
+// docs/ARCHITECTURE.md, "Same request, same tokens") at no cost in speed: it runs at
+// 0.97-1.1x oneDNN's packed GEMM on prefill-sized calls and 1.3-3x its GEMV at decode
+// (`python -m loadtest.bench_linear`, docs/BENCHMARKS.md).
 //
-// Each thread takes a contiguous range of output rows, so its part of W is one contiguous
-// stretch, and reads it strictly in order: row after row, 64 bf16 (two vdpbf16ps per x
-// row) at a time; the next row's chain is independent, so out-of-order execution overlaps
-// the rows' latencies. One sequential
-// stream is what the hardware prefetcher follows best: reading R rows side by side (R
-// streams, K apart) measured at half the rate (~11 vs ~25 GB/s on one core), the same as
-// oneDNN's. x's rows (tiny, L1-resident) are loaded as vectors. The R rows' accumulators
-// are reduced horizontally together at the end of the group (`reduce4`). 5-8 x rows (a
-// speculative verification chunk, a decode batch of up to 8): every x row against one W
-// row at a time (`gemv_wide`), W read once. More than 8 (prefill chunks, larger decode
-// batches): register-blocked GEMM tiles (`gemm_tile`) with the same per-output arithmetic,
-// so a row's outputs are the same bits at any row count (batch invariance, below).
-// K need not be a multiple of 32: the tail is a masked load of W and x (zeros add nothing).
-// vdpbf16ps multiplies bf16 pairs exactly and sums in float32; each output is rounded
-// to bf16 once, after the bias add in float.
+// The weight is packed once (`pack_bf16_weight`) into vdpbf16ps's pair layout, in groups
+// of 32 outputs: group g, then K's pairs in order, then the 32 outputs, then the pair,
+//   packed[((g * Kp + kp) * 32 + l) * 2 + j] = W[32 g + l][2 kp + j]   (Kp = ceil(K / 2)),
+// zeros past N and K. A group's pair kp is then one 64-byte line per 16 outputs, and the
+// kernel is an outer product: x's pair (x[2kp], x[2kp+1]) broadcast to every lane, one
+// vdpbf16ps per 16 outputs, so output n's lane accumulates the exact pair products
+// W[n][2kp]x[2kp] + W[n][2kp+1]x[2kp+1] for kp = 0, 1, ... in order into one float32
+// chain, with no horizontal reduction at all. That chain, the bias added in float and one
+// rounding to bf16 (nearest even) is each output's whole arithmetic, whatever the tile:
+// tiles of up to 11 x rows x one group (22 chains in registers) for many rows, one or two
+// groups per x row (2-4 chains, one sequential weight stream per thread) for few. Each
+// thread takes a contiguous range of groups, so its part of the weight is one stretch read
+// in order: at a decode step it is the weight stream that bounds the call.
 #if defined(__AVX512BF16__)
 constexpr bool kHaveBf16Gemv = true;
-constexpr int64_t kPrefetchAhead = 2048;  // bf16 elements: 4 KB
-constexpr int64_t kPrefetchL2Ahead = 4096;  // 8 KB: past the next page boundary
+constexpr int64_t kPrefetchL2Ahead = 4096;  // bf16 elements: 8 KB, past the next page boundary
+constexpr int64_t kGroup = 32;               // outputs per packed group
+constexpr int64_t kPairLine = 2 * kGroup;    // bf16 elements of one group's pair: 128 bytes
 
 // The sums of four accumulators' 16 lanes each, as [sum a, sum b, sum c, sum d]: 13
-// instructions where four _mm512_reduce_add_ps take ~36 (at K = 576 a row is only 18
-// vdpbf16ps, so the reduction is not negligible).
+// instructions where four _mm512_reduce_add_ps take ~36 (the int8 GEMV's rows).
 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d.
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -1340,277 +1338,153 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// Batch invariance: every output of every bf16 linear, whatever the row count and
-// whichever loop below computes it, is the same function of its x row and W row, so a
-// row's result does not depend on the other rows of the call (docs/ARCHITECTURE.md,
-// "Same request, same tokens"). That function: the products of K's 32-element chunks
-// summed in one float32 chain, chunk after chunk in K order (vdpbf16ps: the pair products
-// are exact, each add rounded to nearest even), a partial last chunk masked (zeros add
-// nothing); the 16 lanes summed by reduce4's tree; the bias added in float; rounded to
-// bf16 once (bf16_bits, nearest even). The GEMV loops (a weight stream, few rows) and
-// the register-blocked GEMM tiles (many rows) differ only in which outputs they keep in
-// registers together.
-
-// bf16_bits on four lanes.
-inline __m128i bf16_bits4(__m128 v) {
-  const __m128i u = _mm_castps_si128(v);
-  const __m128i rounded = _mm_srli_epi32(
-      _mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1))), 16);
-  const __m128i quiet = _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40));
-  const __mmask8 nan = _mm_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm_mask_mov_epi32(rounded, nan, quiet);  // 32-bit lanes holding the bf16 bits
-}
-
-// The last steps of the function above for R <= 4 outputs of one x row: acc[r] the chain
-// of output r, b[r] its bias as float; y[0, R) the outputs.
-template <int R>
-inline void store_outputs(const __m512* acc, const float* b, uint16_t* y) {
-  static_assert(R >= 1 && R <= 4, "store_outputs: 1 to 4 outputs");
-  const __m512 z = _mm512_setzero_ps();
-  const __m128 sums = reduce4(acc[0], R > 1 ? acc[1 % R] : z, R > 2 ? acc[2 % R] : z, R > 3 ? acc[3 % R] : z);
-  alignas(16) float bb[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int r = 0; r < R; ++r) bb[r] = b[r];
-  const __m128i bits = bf16_bits4(_mm_add_ps(sums, _mm_load_ps(bb)));
-  const __m128i packed = _mm_packus_epi32(bits, bits);  // the four 16-bit results in the low 64 bits
-  if constexpr (R == 4) {
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(y), packed);
+// x's pair kp of a row of K (K odd: the last pair's second element is 0), in every lane.
+inline __m512bh x_pair(const uint16_t* x, int64_t kp, int64_t K) {
+  uint32_t v;
+  if (2 * kp + 1 < K) {
+    std::memcpy(&v, x + 2 * kp, sizeof(v));
   } else {
-    alignas(16) uint16_t t[8];
-    _mm_store_si128(reinterpret_cast<__m128i*>(t), packed);
-    for (int r = 0; r < R; ++r) y[r] = t[r];
+    v = x[2 * kp];
   }
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
 }
 
-// The biases of outputs [n0, n0 + R) as floats (0 without a bias).
-template <int R>
-inline void load_bias(const uint16_t* bias, int64_t n0, float* b) {
-  for (int r = 0; r < R; ++r) {
-    b[r] = 0.f;
-    if (bias) {
-      const uint32_t bits = static_cast<uint32_t>(bias[n0 + r]) << 16;
-      std::memcpy(&b[r], &bits, sizeof(float));
+// Finishes one x row's outputs [n0, n0 + 32) of a group: the bias (bf16, nullptr for
+// none) added in float, rounded to bf16 once, stored (masked past N).
+inline void store_group(__m512 lo, __m512 hi, const uint16_t* bias, uint16_t* y, int64_t n0, int64_t N) {
+  const int64_t left = N - n0;
+  const __mmask32 mask = left >= kGroup ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << left) - 1);
+  if (bias) {
+    const __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(mask), bias + n0));
+    const __m512i b2 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(mask >> 16), bias + n0 + 16));
+    lo = _mm512_add_ps(lo, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+    hi = _mm512_add_ps(hi, _mm512_castsi512_ps(_mm512_slli_epi32(b2, 16)));
+  }
+  _mm512_mask_storeu_epi16(y + n0, mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// x rows [0, MR) (row stride K) against G adjacent groups starting at `pg`, outputs from n0.
+template <int MR, int G>
+inline void linear_tile(const uint16_t* __restrict x, const uint16_t* __restrict pg, const uint16_t* __restrict bias,
+                        uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
+  const int64_t Kp = (K + 1) / 2, full = K / 2, group_stride = Kp * kPairLine;
+  __m512 acc[MR][2 * G];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < Kp; ++kp) {
+    if (MR <= 4) {  // a weight stream: keep lines in flight past what the prefetcher does alone
+      for (int g = 0; g < G; ++g) {
+        _mm_prefetch(reinterpret_cast<const char*>(pg + g * group_stride + kp * kPairLine + kPrefetchL2Ahead), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(pg + g * group_stride + kp * kPairLine + kPrefetchL2Ahead + 32), _MM_HINT_T1);
+      }
     }
-  }
-}
-
-inline __mmask32 tail_mask(int64_t left) {
-  return left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << left) - 1);
-}
-
-// Outputs [n0, n0 + NR) of x rows [0, MB) for calls of many rows (prefill chunks, decode
-// batches past 8): MB x NR chains in registers at once (16 at 4 x 4), so each vector of
-// x loaded serves NR outputs and each of W serves MB: a register-blocked GEMM (~0.9-1.1x
-// oneDNN's packed bf16 GEMM on the decoder's shapes: docs/BENCHMARKS.md).
-template <int MB, int NR>
-inline void gemm_tile(const uint16_t* __restrict x, const uint16_t* __restrict w, const uint16_t* __restrict bias,
-                      uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
-  __m512 acc[MB][NR];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-  const uint16_t* wr[NR];
-  for (int r = 0; r < NR; ++r) wr[r] = w + (n0 + r) * K;
-  const int64_t K32 = K / 32 * 32;
-  int64_t k = 0;
-  for (; k < K32; k += 32) {
-    __m512bh wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(wr[r] + k);
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    __m512bh w[2 * G];
+    for (int g = 0; g < G; ++g) {
+      w[2 * g] = (__m512bh)_mm512_loadu_si512(pg + g * group_stride + kp * kPairLine);
+      w[2 * g + 1] = (__m512bh)_mm512_loadu_si512(pg + g * group_stride + kp * kPairLine + 32);
     }
-  }
-  if (k < K) {
-    const __mmask32 mask = tail_mask(K - k);
-    __m512bh wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[r] + k);
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
-      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-    }
-  }
-  float b[NR];
-  load_bias<NR>(bias, n0, b);
-  for (int m = 0; m < MB; ++m) store_outputs<NR>(acc[m], b, y + m * N + n0);
-}
-
-// x rows [0, mb) of outputs [n0, n0 + NR), mb in 1..4.
-template <int NR>
-inline void gemm_block(int64_t mb, const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t K,
-                       int64_t N, int64_t n) {
-  switch (mb) {
-    case 1: gemm_tile<1, NR>(x, w, bias, y, K, N, n); break;
-    case 2: gemm_tile<2, NR>(x, w, bias, y, K, N, n); break;
-    case 3: gemm_tile<3, NR>(x, w, bias, y, K, N, n); break;
-    default: gemm_tile<4, NR>(x, w, bias, y, K, N, n); break;
-  }
-}
-
-// Outputs [n0, n0 + R) of x rows [0, MB): the R rows of W read one after the other.
-// kOneChain (batch-invariant mode): every 32-chunk of K into one float32 chain per output,
-// finished by `store_outputs`, the arithmetic the GEMM tiles share. Otherwise (the default
-// few-row path) each 64-chunk's second half goes into a second, independent chain (half
-// the latency per chunk), the chains added, and the lanes summed by reduce4 for groups of
-// four outputs or _mm512_reduce_add_ps alone: faster at 5-8 rows, but its rounding
-// differs from the tiles', so it serves only calls the GEMM tiles never take.
-template <int MB, int R, bool kOneChain = false>
-inline void gemv_rows(const uint16_t* __restrict x, const uint16_t* __restrict w, const uint16_t* __restrict bias,
-                      uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
-  __m512 acc[MB][R];
-  const int64_t K64 = K / 64 * 64;
-  for (int r = 0; r < R; ++r) {
-    const uint16_t* row = w + (n0 + r) * K;
-    __m512 odd[MB];  // the second chunk of each 64: an independent chain (two-chain mode)
-    for (int m = 0; m < MB; ++m) acc[m][r] = odd[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k < K64; k += 64) {
-      // The hardware prefetcher alone keeps too few lines in flight, and stops at each 4 KB
-      // page. With several x rows (a line takes longer to consume) prefetch into L1 4 KB
-      // ahead (measured faster at 2-4 rows in a noisy single-thread run). With one row,
-      // into L2 8 KB ahead: the 30 layers' GEMVs of SmolLM2 streamed 5-8% faster in an
-      // alternating A/B over three runs (prefetching into L1, or not at all, was slower).
-      if (MB > 1) {
-        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchAhead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchAhead + 32), _MM_HINT_T0);
+    for (int m = 0; m < MR; ++m) {
+      __m512bh xv;
+      if (kp < full) {
+        uint32_t v;
+        std::memcpy(&v, x + m * K + 2 * kp, sizeof(v));
+        xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
       } else {
-        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchL2Ahead), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchL2Ahead + 32), _MM_HINT_T1);
+        xv = x_pair(x + m * K, kp, K);
       }
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
-      for (int m = 0; m < MB; ++m) {
-        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_loadu_si512(x + m * K + k), w0);
-        __m512& second = kOneChain ? acc[m][r] : odd[m];
-        second = _mm512_dpbf16_ps(second, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
-      }
-    }
-    for (; k < K; k += 32) {  // at most two chunks of 32, the last maybe partial
-      const __mmask32 mask = tail_mask(K - k);
-      const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k);
-      for (int m = 0; m < MB; ++m)
-        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), w0);
-    }
-    if constexpr (!kOneChain) {
-      for (int m = 0; m < MB; ++m) acc[m][r] = _mm512_add_ps(acc[m][r], odd[m]);
+      for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, w[j]);
     }
   }
-  float b[R];
-  load_bias<R>(bias, n0, b);
-  for (int m = 0; m < MB; ++m) {
-    if constexpr (kOneChain) {
-      store_outputs<R>(acc[m], b, y + m * N + n0);
-    } else if constexpr (R == 4) {
-      float s[4];
-      _mm_storeu_ps(s, reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
-      for (int r = 0; r < 4; ++r) y[m * N + n0 + r] = bf16_bits(s[r] + b[r]);
-    } else {
-      for (int r = 0; r < R; ++r) y[m * N + n0 + r] = bf16_bits(_mm512_reduce_add_ps(acc[m][r]) + b[r]);
-    }
-  }
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < G; ++g) store_group(acc[m][2 * g], acc[m][2 * g + 1], bias, y + m * N, n0 + g * kGroup, N);
 }
 
-// Outputs [n, n + R) of x rows [0, mb), mb in 1..4.
-template <int R, bool kOneChain = false>
-inline void gemv_block(int64_t mb, const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t K,
-                       int64_t N, int64_t n) {
+// x rows [0, mb) (mb in 1..11) against group `g`.
+inline void linear_rows(int64_t mb, const uint16_t* x, const uint16_t* pg, const uint16_t* bias, uint16_t* y,
+                        int64_t K, int64_t N, int64_t n0) {
   switch (mb) {
-    case 1: gemv_rows<1, R, kOneChain>(x, w, bias, y, K, N, n); break;
-    case 2: gemv_rows<2, R, kOneChain>(x, w, bias, y, K, N, n); break;
-    case 3: gemv_rows<3, R, kOneChain>(x, w, bias, y, K, N, n); break;
-    default: gemv_rows<4, R, kOneChain>(x, w, bias, y, K, N, n); break;
+    case 1: linear_tile<1, 1>(x, pg, bias, y, K, N, n0); break;
+    case 2: linear_tile<2, 1>(x, pg, bias, y, K, N, n0); break;
+    case 3: linear_tile<3, 1>(x, pg, bias, y, K, N, n0); break;
+    case 4: linear_tile<4, 1>(x, pg, bias, y, K, N, n0); break;
+    case 5: linear_tile<5, 1>(x, pg, bias, y, K, N, n0); break;
+    case 6: linear_tile<6, 1>(x, pg, bias, y, K, N, n0); break;
+    case 7: linear_tile<7, 1>(x, pg, bias, y, K, N, n0); break;
+    case 8: linear_tile<8, 1>(x, pg, bias, y, K, N, n0); break;
+    case 9: linear_tile<9, 1>(x, pg, bias, y, K, N, n0); break;
+    case 10: linear_tile<10, 1>(x, pg, bias, y, K, N, n0); break;
+    default: linear_tile<11, 1>(x, pg, bias, y, K, N, n0); break;
   }
 }
 
-// Outputs [n, n + 1) of x rows [0, mb), mb in 5..8: one pass over the W row for all of
-// them (16 accumulators: 8 rows x 2 chains), where blocks of four would read it twice.
-inline void gemv_wide(int64_t mb, const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t K,
-                      int64_t N, int64_t n) {
+// x rows [0, mb) (mb in 1..4) against groups g and g + 1: four chains per row.
+inline void linear_rows_two_groups(int64_t mb, const uint16_t* x, const uint16_t* pg, const uint16_t* bias, uint16_t* y,
+                                   int64_t K, int64_t N, int64_t n0) {
   switch (mb) {
-    case 5: gemv_rows<5, 1>(x, w, bias, y, K, N, n); break;
-    case 6: gemv_rows<6, 1>(x, w, bias, y, K, N, n); break;
-    case 7: gemv_rows<7, 1>(x, w, bias, y, K, N, n); break;
-    default: gemv_rows<8, 1>(x, w, bias, y, K, N, n); break;
+    case 1: linear_tile<1, 2>(x, pg, bias, y, K, N, n0); break;
+    case 2: linear_tile<2, 2>(x, pg, bias, y, K, N, n0); break;
+    case 3: linear_tile<3, 2>(x, pg, bias, y, K, N, n0); break;
+    default: linear_tile<4, 2>(x, pg, bias, y, K, N, n0); break;
   }
 }
 
-// Runs body(n_lo, n_hi) in parallel on each thread's contiguous range of the N output
-// rows, in multiples of 48 rows (whole groups of four); never more threads than ranges.
-// Each thread's part of W is then one sequential stretch (see the comment above).
+constexpr int64_t kTileRows = 11;            // x rows per register tile (22 accumulators)
+constexpr int64_t kPassRows = 64;            // x rows per pass over a chunk of groups (they stay in L1/L2)
+constexpr int64_t kChunkBytes = 256 * 1024;  // weight bytes per chunk of groups (it stays in L2 for every pass)
+
+// Runs body(lo, hi) in parallel on each thread's contiguous range [lo, hi) of `units`
+// (groups of outputs), never more threads than units.
+template <typename Body>
+inline void for_each_thread_range(int64_t units, const Body& body) {
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    body(units * t / nt, units * (t + 1) / nt);
+  }
+}
+
+// The int8 GEMV's split: each thread a contiguous range of the N output rows, in multiples
+// of 48 rows (whole groups of four).
 template <typename Body>
 inline void for_each_thread_rows(int64_t N, const Body& body) {
   constexpr int64_t kGrain = 48;
   const int64_t groups = (N + kGrain - 1) / kGrain;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups)));
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    body(std::min(N, groups * t / nt * kGrain), std::min(N, groups * (t + 1) / nt * kGrain));
-  }
+  for_each_thread_range(groups, [&](int64_t lo, int64_t hi) { body(std::min(N, lo * kGrain), std::min(N, hi * kGrain)); });
 }
 
-constexpr int64_t kGemmTileRows = 64;  // x rows per pass over a thread's W rows (the x tile stays in L2)
-
-// Batch-invariant mode: every row count through loops with the one-chain arithmetic.
-void bf16_invariant_impl(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
-                         int64_t N) {
-  if (M > 8) {  // many rows: the register-blocked GEMM (same outputs as the weight stream below)
-    for_each_thread_rows(N, [&](int64_t n_lo, int64_t n_hi) {
-      for (int64_t m0 = 0; m0 < M; m0 += kGemmTileRows) {
-        const int64_t m1 = std::min(M, m0 + kGemmTileRows);
-        int64_t n = n_lo;
-        for (; n + 4 <= n_hi; n += 4) {
-          // The next four W rows (one contiguous stretch) into L1 while these are used:
-          // the first x rows' tile would otherwise wait on memory for them.
-          const char* next = reinterpret_cast<const char*>(w + std::min(n + 8, n_hi - 4) * K);
-          const int64_t lines = 4 * K * 2 / 64, blocks = (m1 - m0 + 3) / 4;
-          int64_t done = 0, b = 0;
-          for (int64_t m = m0; m < m1; m += 4, ++b) {
-            // The W rows two blocks ahead into L2, spread over this block's tiles.
-            const int64_t upto = lines * (b + 1) / blocks;
-            for (; done < upto; ++done) _mm_prefetch(next + 64 * done, _MM_HINT_T1);
-            gemm_block<4>(std::min<int64_t>(4, m1 - m), x + m * K, w, bias, y + m * N, K, N, n);
-          }
+// y [M, N] = x [M, K] @ W^T + bias, W packed by pack_bf16_weight (see above). Each thread
+// takes a contiguous range of groups. Few rows (a decode step): one pass, two groups at a
+// time, the weight streamed once. More: the thread's groups in chunks of ~256 KB of weight,
+// and for each chunk every pass of 64 x rows, so the chunk is read from memory once and
+// served from L2 to the passes after the first (reading the weight once per pass instead
+// was 0.7-0.8x oneDNN at 256 rows on the MLP's and the head's shapes).
+void bf16_linear_impl(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
+                      int64_t N) {
+  const int64_t groups = (N + kGroup - 1) / kGroup, group_stride = (K + 1) / 2 * kPairLine;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (group_stride * 2));
+  for_each_thread_range(groups, [&](int64_t g_lo, int64_t g_hi) {
+    if (M <= 4) {
+      for (int64_t g = g_lo; g < g_hi; ++g) {
+        if (g + 1 < g_hi) {  // two groups at a time: twice the chains in flight
+          linear_rows_two_groups(M, x, packed + g * group_stride, bias, y, K, N, g * kGroup);
+          ++g;
+        } else {
+          linear_rows(M, x, packed + g * group_stride, bias, y, K, N, g * kGroup);
         }
-        for (; n < n_hi; ++n)
-          for (int64_t m = m0; m < m1; m += 4) gemm_block<1>(std::min<int64_t>(4, m1 - m), x + m * K, w, bias, y + m * N, K, N, n);
       }
-    });
-    return;
-  }
-  for_each_thread_rows(N, [&](int64_t n_lo, int64_t n_hi) {
-    // Four W rows at a time, and for them every block of up to four x rows: the first
-    // block reads the rows from memory, the next ones find them in L1 (4 rows of K bf16),
-    // so W is streamed once.
-    int64_t n = n_lo;
-    for (; n + 4 <= n_hi; n += 4)
-      for (int64_t m0 = 0; m0 < M; m0 += 4)
-        gemv_block<4, true>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
-    for (; n < n_hi; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += 4)
-        gemv_block<1, true>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
-  });
-}
-
-// `invariant`: batch-invariant mode (bf16_invariant_impl); otherwise the weight stream below,
-// for up to a few rows (the engine sends more to oneDNN).
-void bf16_gemv_impl(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
-                    int64_t N, bool invariant = false) {
-  if (invariant) {
-    bf16_invariant_impl(x, w, bias, y, M, K, N);
-    return;
-  }
-  for_each_thread_rows(N, [&](int64_t n_lo, int64_t n_hi) {
-    // Four W rows at a time (their 4 x 4 accumulators, the x-row block's second-chunk
-    // chains, two W vectors and an x vector fit in the 32 zmm registers), and for them
-    // every block of up to four x rows: the first block reads the rows from memory, the
-    // next ones find them in L1 (4 rows of K bf16), so W is streamed once for any M.
-    int64_t n = n_lo;
-    if (M >= 5 && M <= 8) {  // a speculative verification chunk: every x row per W row, W once
-      for (; n < n_hi; ++n) gemv_wide(M, x, w, bias, y, K, N, n);
+      return;
     }
-    for (; n + 4 <= n_hi; n += 4)
-      for (int64_t m0 = 0; m0 < M; m0 += 4) gemv_block<4>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
-    for (; n < n_hi; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += 4) gemv_block<1>(std::min<int64_t>(4, M - m0), x + m0 * K, w, bias, y + m0 * N, K, N, n);
+    for (int64_t c0 = g_lo; c0 < g_hi; c0 += chunk) {
+      const int64_t c1 = std::min(g_hi, c0 + chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
+        const int64_t m1 = std::min(M, m0 + kPassRows);
+        for (int64_t g = c0; g < c1; ++g)
+          for (int64_t m = m0; m < m1; m += kTileRows)
+            linear_rows(std::min(kTileRows, m1 - m), x + m * K, packed + g * group_stride, bias, y + m * N, K, N,
+                        g * kGroup);
+      }
+    }
   });
 }
 
@@ -1709,16 +1583,65 @@ constexpr bool kHaveBf16Gemv = false;
 // that has it). Python checks it before routing (kernels/cpu_kernels.py).
 bool has_bf16_gemv() { return kHaveBf16Gemv; }
 
-// out [M, N] = x [M, K] @ weight [N, K]^T + bias [N], all bfloat16 and contiguous.
-// `invariant`: the batch-invariant loops (any M; see store_outputs), else the GEMV (few rows).
+namespace {
+
+// pack_bf16_weight's tensors: the packed groups (see bf16_linear_impl), then a marker of
+// kPackedMarkerElems elements, behind a [N, K] view of the first N x K elements, so a
+// packed weight has the dense one's shape (every shape check and the fused decode call's
+// plumbing stay as they are) and cannot be mistaken for a dense one (whose storage holds
+// exactly N x K elements): is_packed_bf16 checks the storage's size and the marker.
+constexpr int64_t kPackedMarkerElems = 32;
+constexpr uint16_t kPackedMarker = 0xB16B;
+
+int64_t packed_elems(int64_t N, int64_t K) { return (N + 31) / 32 * ((K + 1) / 2) * 64; }
+
+bool is_packed_bf16(const torch::Tensor& w) {
+  if (w.dim() != 2 || w.scalar_type() != at::kBFloat16 || !w.is_contiguous() || w.storage_offset() != 0) return false;
+  const int64_t elems = packed_elems(w.size(0), w.size(1));
+  if (static_cast<int64_t>(w.storage().nbytes()) != (elems + kPackedMarkerElems) * 2) return false;
+  const uint16_t* tail = reinterpret_cast<const uint16_t*>(w.storage().data()) + elems;
+  for (int64_t i = 0; i < kPackedMarkerElems; ++i)
+    if (tail[i] != kPackedMarker) return false;
+  return true;
+}
+
+}  // namespace
+
+// The bf16 linear kernel's copy of a dense bf16 weight [N, K] (any N, K): its pair layout
+// (bf16_linear_impl), as a tensor of the weight's shape (see is_packed_bf16). Only
+// bf16_gemv, bf16_silu_mlp and bf16_decode_layers read it; it is not a dense weight.
+torch::Tensor pack_bf16_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
+              "pack_bf16_weight: a 2-D bfloat16 CPU weight expected");
+  const torch::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), Kp = (K + 1) / 2, elems = packed_elems(N, K);
+  torch::Tensor storage = torch::empty({elems + kPackedMarkerElems}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(storage.data_ptr());
+  const int64_t groups = (N + 31) / 32;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t kp = 0; kp < Kp; ++kp)
+        for (int64_t l = 0; l < 32; ++l)
+          for (int64_t j = 0; j < 2; ++j) {
+            const int64_t n = g * 32 + l, k = 2 * kp + j;
+            dst[((g * Kp + kp) * 32 + l) * 2 + j] = (n < N && k < K) ? src[n * K + k] : 0;
+          }
+  });
+  for (int64_t i = 0; i < kPackedMarkerElems; ++i) dst[elems + i] = kPackedMarker;
+  return storage.as_strided({N, K}, {K, 1});
+}
+
+// out [M, N] = x [M, K] @ weight^T + bias [N]: x, bias, out bfloat16 and contiguous, weight
+// packed by pack_bf16_weight. Every row count through the one kernel (bf16_linear_impl).
 void bf16_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
-               const c10::optional<torch::Tensor>& bias, bool invariant) {
+               const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(kHaveBf16Gemv, "bf16_gemv: this build has no AVX512-BF16 (the CPU lacks it)");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "bf16_gemv: 2-D x, weight and out expected");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "bf16_gemv: bfloat16 x, weight and out expected");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "bf16_gemv: contiguous tensors expected");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "bf16_gemv: 2-D x and out expected");
+  TORCH_CHECK(is_packed_bf16(weight), "bf16_gemv: a weight packed by pack_bf16_weight expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "bf16_gemv: bfloat16 x and out expected");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "bf16_gemv: contiguous tensors expected");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && out.size(0) == M && out.size(1) == N, "bf16_gemv: shape mismatch");
   const uint16_t* b = nullptr;
@@ -1729,8 +1652,8 @@ void bf16_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Te
   }
 #if defined(__AVX512BF16__)
   if (M == 0 || N == 0) return;
-  bf16_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
-                 b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, invariant);
+  bf16_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                   b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N);
 #endif
 }
 
@@ -1759,44 +1682,68 @@ void int8_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Te
 namespace {
 
 // silu(g) * u for bf16 rows, each op rounded to bf16 as torch's eager `F.silu(gate) * up`
-// rounds (silu in float, rounded; the product in float, rounded). With e = exp(-|g|) <= 1,
-// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below. GCC leaves this loop scalar
-// (~2.4 ns an element here: 4x slower than torch's vectorised silu and mul on large
-// batches, so only the few-row fused MLP uses it, where a row's 1-2k elements take a few
-// microseconds against the ~50 us of eager-op overhead the fusion saves).
+// rounds (silu in float, rounded; the product in float, rounded), 16 elements at a time.
+// With e = 2^(-|g| log2 e) <= 1 (exp2_nonpositive16), sigmoid(g) = 1 / (1 + e) for g >= 0
+// and e / (1 + e) below. Every bf16 MLP on the C++ kernels runs it, at any row count, so an
+// element's result does not depend on the call's rows (its float exp is not torch's: a
+// result can differ from torch's eager ops by 1 bf16 ulp).
+#if defined(__AVX512BF16__)
+inline __m512 bf16x16_to_float(const uint16_t* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// bf16_bits on 16 lanes: rounded to nearest even, a NaN kept quiet.
+inline __m256i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+inline __m512 round_bf16x16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits16(v)), 16));
+}
+
 void silu_mul_rows(const uint16_t* gate_up, uint16_t* h, int64_t M, int64_t I) {
+  const __m512 log2e = _mm512_set1_ps(1.4426950408889634f), one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
 #pragma omp parallel for schedule(static) if (M * I >= 32768)
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* g = gate_up + m * 2 * I;
     const uint16_t* u = g + I;
     uint16_t* o = h + m * I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      uint32_t gb = static_cast<uint32_t>(g[i]) << 16, ub = static_cast<uint32_t>(u[i]) << 16;
-      float gf, uf;
-      std::memcpy(&gf, &gb, sizeof(gf));
-      std::memcpy(&uf, &ub, sizeof(uf));
-      const float e = exp_nonpositive(-std::fabs(gf));
-      const float sig = (gf >= 0.f ? 1.f : e) / (1.f + e);
-      o[i] = bf16_bits(round_to<c10::BFloat16>(gf * sig) * uf);
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 mask = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
+      const __m512 gf = bf16x16_to_float(g + i, mask), uf = bf16x16_to_float(u + i, mask);
+      const __m512 neg_abs = _mm512_min_ps(gf, _mm512_sub_ps(zero, gf));
+      const __m512 e = exp2_nonpositive16(_mm512_mul_ps(neg_abs, log2e));
+      const __mmask16 nonneg = _mm512_cmp_ps_mask(gf, zero, _CMP_GE_OQ);
+      const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(nonneg, e, one), _mm512_add_ps(one, e));
+      const __m512 silu = round_bf16x16(_mm512_mul_ps(gf, sig));
+      _mm256_mask_storeu_epi16(o + i, mask, bf16_bits16(_mm512_mul_ps(silu, uf)));
     }
   }
 }
+#endif
 
 }  // namespace
 
 // The gated SiLU MLP of a few bf16 rows in one call: out = (silu(x W_gu[:I]^T) *
 // (x W_gu[I:]^T)) W_down^T, no biases, every intermediate rounded to bf16 as the eager
-// ops round. Both linears run the GEMV above; one call instead of two GEMV calls and
-// three eager ops (split, silu, mul) saves their Python and dispatch at decode, where a
+// ops round. Both linears run bf16_linear_impl, the activation silu_mul_rows, at any row
+// count (so the MLP is batch-invariant); one call instead of two linear calls and three
+// eager ops (split, silu, mul) also saves their Python and dispatch at decode, where a
 // layer's ops each cost more in overhead than in arithmetic.
 void bf16_silu_mlp(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate_up_weight,
-                   const torch::Tensor& down_weight, bool invariant) {
+                   const torch::Tensor& down_weight) {
   TORCH_CHECK(kHaveBf16Gemv, "bf16_silu_mlp: this build has no AVX512-BF16 (the CPU lacks it)");
-  for (const torch::Tensor* t : {&out, &x, &gate_up_weight, &down_weight}) {
+  for (const torch::Tensor* t : {&out, &x}) {
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
-                "bf16_silu_mlp: 2-D contiguous bfloat16 tensors expected");
+                "bf16_silu_mlp: 2-D contiguous bfloat16 x and out expected");
   }
+  TORCH_CHECK(is_packed_bf16(gate_up_weight) && is_packed_bf16(down_weight),
+              "bf16_silu_mlp: weights packed by pack_bf16_weight expected");
   const int64_t M = x.size(0), K = x.size(1), I = gate_up_weight.size(0) / 2, N = down_weight.size(0);
   TORCH_CHECK(gate_up_weight.size(0) == 2 * I && gate_up_weight.size(1) == K && down_weight.size(1) == I &&
                   out.size(0) == M && out.size(1) == N,
@@ -1804,19 +1751,18 @@ void bf16_silu_mlp(const torch::Tensor& out, const torch::Tensor& x, const torch
 #if defined(__AVX512BF16__)
   if (M == 0) return;
   std::vector<uint16_t> gate_up(M * 2 * I), h(M * I);
-  bf16_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()),
-                 reinterpret_cast<const uint16_t*>(gate_up_weight.data_ptr()), nullptr, gate_up.data(), M, K, 2 * I,
-                 invariant);
+  bf16_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                   reinterpret_cast<const uint16_t*>(gate_up_weight.data_ptr()), nullptr, gate_up.data(), M, K, 2 * I);
   silu_mul_rows(gate_up.data(), h.data(), M, I);
-  bf16_gemv_impl(h.data(), reinterpret_cast<const uint16_t*>(down_weight.data_ptr()), nullptr,
-                 reinterpret_cast<uint16_t*>(out.data_ptr()), M, I, N, invariant);
+  bf16_linear_impl(h.data(), reinterpret_cast<const uint16_t*>(down_weight.data_ptr()), nullptr,
+                   reinterpret_cast<uint16_t*>(out.data_ptr()), M, I, N);
 #endif
 }
 
 namespace {
 
 // One linear of a fused decode layer (bf16_decode_layers): its weight and how to apply it.
-// kind 0: a dense bf16 weight [N, K] through the GEMV above; kind > 0: torch's CPU int4
+// kind 0: a bf16 weight [N, K] packed by pack_bf16_weight, through bf16_linear_impl; kind > 0: torch's CPU int4
 // layout (packed uint8 [N, K / 2], scales_and_zeros [K / G, N, 2]) through
 // aten::_weight_int4pack_mm_for_cpu with group size `kind`; kind -1: int8 [N, K] with bf16
 // per-row scales through the int8 GEMV above (as kernels/quant_linear.py runs few-row
@@ -1826,7 +1772,6 @@ struct DecodeLinear {
   const torch::Tensor* bias;
   const torch::Tensor* scales;
   int64_t kind;
-  bool invariant;  // kind 0: the batch-invariant loops (as the per-op forward's `Linear` in that mode)
 
   int64_t out_features() const { return weight->size(0); }
   int64_t in_features() const { return kind > 0 ? weight->size(1) * 2 : weight->size(1); }
@@ -1834,7 +1779,7 @@ struct DecodeLinear {
   void check(int64_t K, const char* what) const {
     TORCH_CHECK(weight->dim() == 2 && weight->is_contiguous() && in_features() == K,
                 "bf16_decode_layers: ", what, ": a contiguous 2-D weight with ", K, " inputs expected");
-    if (kind == 0) TORCH_CHECK(weight->scalar_type() == at::kBFloat16, "bf16_decode_layers: ", what, ": bf16 weight expected");
+    if (kind == 0) TORCH_CHECK(is_packed_bf16(*weight), "bf16_decode_layers: ", what, ": a bf16 weight packed by pack_bf16_weight expected");
     if (kind > 0) TORCH_CHECK(weight->scalar_type() == at::kByte, "bf16_decode_layers: ", what, ": packed int4 expected");
     if (kind < 0) {
       TORCH_CHECK(weight->scalar_type() == at::kChar && scales->scalar_type() == at::kBFloat16 &&
@@ -1853,9 +1798,9 @@ struct DecodeLinear {
     if (kind == 0) {
       torch::Tensor out = torch::empty({x.size(0), out_features()}, x.options());
 #if defined(__AVX512BF16__)
-      bf16_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(weight->data_ptr()),
-                     bias->numel() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
-                     reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), out_features(), invariant);
+      bf16_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(weight->data_ptr()),
+                       bias->numel() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
+                       reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), out_features());
 #endif
       return out;
     }
@@ -1937,15 +1882,13 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     TORCH_CHECK(out_row[r] >= 0 && out_row[r] < M, "bf16_decode_layers: out_rows index ", out_row[r], " not in [0, ", M, ")");
   }
   const bool logits = lm_head.numel() > 0;
-  const bool invariant = key_part > 0;  // batch-invariant mode: its linears' loops too
-  TORCH_CHECK(!logits || (kHaveBf16Gemv && lm_head.dim() == 2 && lm_head.scalar_type() == at::kBFloat16 &&
-                          lm_head.is_contiguous() && lm_head.size(1) == hidden),
-              "bf16_decode_layers: an LM head is a contiguous bfloat16 [vocab, hidden] (and needs the GEMV)");
+  TORCH_CHECK(!logits || (kHaveBf16Gemv && is_packed_bf16(lm_head) && lm_head.size(1) == hidden),
+              "bf16_decode_layers: an LM head is a bfloat16 [vocab, hidden] packed by pack_bf16_weight (and needs the GEMV)");
   auto linear_of = [&](size_t l, int i) {
     const torch::Tensor* t = &layer_tensors[kPerLayer * l + (i < 2 ? 1 + 3 * i : 8 + 3 * (i - 2))];
     const int64_t kind = kinds[4 * l + i];
     TORCH_CHECK(kind > 0 || kHaveBf16Gemv, "bf16_decode_layers: this build has no AVX512-BF16 GEMV (bf16 and int8 linears)");
-    return DecodeLinear{t, t + 1, t + 2, kind, invariant};
+    return DecodeLinear{t, t + 1, t + 2, kind};
   };
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* t = &layer_tensors[kPerLayer * l];
@@ -1999,7 +1942,7 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     if (gate_up.kind == 0 && down.kind == 0 && gate_up.bias->numel() == 0 && down.bias->numel() == 0) {
       // Both GEMVs, no biases: the model's bf16_silu_mlp, its SiLU-and-multiply included.
       if (!mlp_out.defined()) mlp_out = torch::empty({M, hidden}, opts);
-      bf16_silu_mlp(mlp_out, h, *gate_up.weight, *down.weight, invariant);
+      bf16_silu_mlp(mlp_out, h, *gate_up.weight, *down.weight);
     } else {
       // The model's eager `down(F.silu(gate) * up)`, through the same ATen ops.
       torch::Tensor gu = gate_up(h);
@@ -2015,7 +1958,7 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
   if (!logits) return out;
   // The head as the model's GEMV `Linear` computes it (bf16 out), widened as the sampler widens it.
   const torch::Tensor none = torch::empty({0}, opts);
-  return DecodeLinear{&lm_head, &none, &none, 0, invariant}(out).to(at::kFloat);
+  return DecodeLinear{&lm_head, &none, &none, 0}(out).to(at::kFloat);
 }
 
 // The index of each row's largest value, as torch.argmax(dim=-1) gives it: the first
@@ -2088,6 +2031,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, release());
   m.def("rotary", &rotary, release());
   m.def("has_bf16_gemv", &has_bf16_gemv);
+  m.def("pack_bf16_weight", &pack_bf16_weight, release());
   m.def("bf16_gemv", &bf16_gemv, release());
   m.def("int8_gemv", &int8_gemv, release());
   m.def("bf16_silu_mlp", &bf16_silu_mlp, release());

@@ -81,26 +81,27 @@ def test_fallbacks_name_quantized_linears_on_a_reference(tmp_path, monkeypatch):
     assert line.startswith("8 INT4 linear(s) dequantize their weight every call")
 
 
-@pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "default"])
+@pytest.mark.parametrize("invariant", [None, True, False], ids=["default", "batch-invariant", "no-batch-invariant"])
 @pytest.mark.parametrize("gemv", ["1", "0"])
-def test_start_up_log_says_how_bf16_decode_linears_run(tiny_model_path, capfd, monkeypatch, gemv, invariant):
-    """bf16: where the C++ GEMV runs, the linears are unpacked and run it at every row count
-    (`--batch-invariant`) or keep their dense weight for it beside oneDNN's copy (the
-    default), said in the linears fact; where it does not (PAGODA_CPU_GEMV=0,
-    or no AVX512-BF16) one fallback line says so, and the batch_invariant fact says the
-    invariance is not guaranteed."""
+def test_start_up_log_says_how_bf16_linears_run(tiny_model_path, capfd, monkeypatch, gemv, invariant):
+    """bf16: where the C++ bf16 kernel runs, every linear runs it at every row count, said in
+    the linears fact, and batch invariance is on unless --no-batch-invariant (the default
+    on the C++ kernels); where it does not (PAGODA_CPU_GEMV=0, or no AVX512-BF16) one
+    fallback line says so, and the batch_invariant fact says the invariance is not
+    guaranteed there."""
     from kernels.cpu_kernels import bf16_gemv_available
 
     monkeypatch.setenv("PAGODA_CPU_GEMV", gemv)
     LLM(model=str(tiny_model_path), max_model_len=128, num_gpu_blocks_override=16, dtype="bfloat16",
-        batch_invariant=invariant)
+        **({} if invariant is None else {"batch_invariant": invariant}))
     log = capfd.readouterr().err
     runs = gemv == "1" and bf16_gemv_available()
-    assert ("keep their dense weight for the AVX512-BF16 GEMV" in log) == (runs and not invariant)
-    assert ("unpacked, each through the C++ kernels at every row count" in log) == (runs and invariant)
-    assert ("[pagoda] batch_invariant: on" in log) == (runs and invariant)
-    assert ("[pagoda] batch_invariant: off (--batch-invariant: on)" in log) == (not invariant)
-    assert ("[pagoda] fallback: the bf16 decode GEMV is off" in log) == (not runs)
+    assert ("float linears on the C++ bf16 kernel (one arithmetic at every row count: batch-invariant)" in log) == runs
+    assert ("[pagoda] linears: oneDNN-packed" in log) == (not runs)
+    assert ("[pagoda] batch_invariant: on" in log) == (runs and invariant is not False)
+    assert ("[pagoda] batch_invariant: off (--no-batch-invariant)" in log) == (invariant is False)
+    assert ("[pagoda] batch_invariant: not guaranteed on this path" in log) == (not runs and invariant is not False)
+    assert ("[pagoda] fallback: the C++ bf16 linear kernel is off" in log) == (not runs)
 
 
 @pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "default"])

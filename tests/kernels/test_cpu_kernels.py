@@ -135,14 +135,14 @@ def test_build_names_carry_the_cpu_fingerprint():
     assert cpu_kernels._cpu_fingerprint() in module.__name__
 
 
-# The bf16 small-batch GEMV (decode linears): against F.linear in float64 on the same bf16
-# inputs. Its products are exact and its sums float32, so the only error is float32
-# summation and the final bf16 rounding of each output.
+# The bf16 linear kernel (every bf16 linear, at any row count): against F.linear in float64
+# on the same bf16 inputs. Its products are exact and its sums float32, so the only error is
+# float32 summation and the final bf16 rounding of each output.
 gemv = pytest.mark.skipif(not cpu_kernels.bf16_gemv_available(), reason="the CPU has no AVX512-BF16")
 
 
 @gemv
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 70])
 @pytest.mark.parametrize("n, k", [(97, 576), (1, 64), (131, 1536), (53, 100), (7, 31)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_gemv_equals_float64_reference(rows, n, k, with_bias):
@@ -150,7 +150,7 @@ def test_bf16_gemv_equals_float64_reference(rows, n, k, with_bias):
     x = torch.randn(rows, k, generator=g).bfloat16()
     weight = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    got = cpu_kernels.bf16_linear(x, weight, bias)
+    got = cpu_kernels.bf16_linear(x, cpu_kernels.pack_bf16_weight(weight), bias)
     want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # One bf16 rounding of the exact result (2^-8 relative), plus float32 sums of k terms.
@@ -166,11 +166,49 @@ def test_bf16_gemv_odd_shapes_and_thread_split():
     weight = torch.randn(4 * 48 + 3, 96, generator=g).bfloat16()
     x = torch.randn(17, 192, generator=g).bfloat16()[:, ::2]  # not contiguous
     want = torch.nn.functional.linear(x.double(), weight.double())
-    got = cpu_kernels.bf16_linear(x, weight)
+    packed = cpu_kernels.pack_bf16_weight(weight)
+    got = cpu_kernels.bf16_linear(x, packed)
     torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3)
-    got3 = cpu_kernels.bf16_linear(x[:16].reshape(2, 8, 96), weight)
+    got3 = cpu_kernels.bf16_linear(x[:16].reshape(2, 8, 96), packed)
     assert got3.shape == (2, 8, weight.shape[0]) and torch.equal(got3.reshape(16, -1), got[:16])
-    assert cpu_kernels.bf16_linear(x[:0], weight).shape == (0, weight.shape[0])
+    assert cpu_kernels.bf16_linear(x[:0], packed).shape == (0, weight.shape[0])
+    with pytest.raises(RuntimeError, match="packed by pack_bf16_weight"):
+        cpu_kernels.bf16_linear(x, weight)  # a dense weight is refused, not misread
+
+
+@gemv
+@pytest.mark.parametrize("n, k", [(96, 576), (53, 100), (7, 31), (200, 1536)])
+def test_bf16_linear_rows_are_batch_invariant(n, k):
+    """A row's outputs are the same bits alone and among 1 to 150 rows, at any position in
+    the call: the register tiles of 11 rows, the passes of 64 rows, the few-row two-group
+    path and the tails all compute an output with the one arithmetic. Teeth: oneDNN's packed
+    GEMM of the same bf16 weight does not (a row's bits change with the row count)."""
+    g = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    packed = cpu_kernels.pack_bf16_weight(weight)
+    x = torch.randn(150, k, generator=g).bfloat16()
+    alone = torch.cat([cpu_kernels.bf16_linear(x[i : i + 1], packed, bias) for i in range(150)])
+    for rows in (2, 3, 4, 5, 8, 11, 12, 22, 23, 63, 64, 65, 129, 150):
+        assert torch.equal(cpu_kernels.bf16_linear(x[:rows], packed, bias), alone[:rows]), rows
+        tail = x[150 - rows :]  # the last row now sits at the end of a tile and of a pass
+        assert torch.equal(cpu_kernels.bf16_linear(tail, packed, bias)[-1], alone[-1]), rows
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_onednn_packed_gemm_is_not_batch_invariant():
+    """The teeth of the test above: what the default path was before the C++ kernel served
+    every row count. oneDNN's packed bf16 GEMM gives a row other bits at 1 row than among 64
+    (its K blocking and reduction order follow the shape)."""
+    from kernels.linear import linear, pack_weight
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(576, 1536, generator=g).bfloat16()
+    packed = pack_weight(weight)
+    x = torch.randn(64, 1536, generator=g).bfloat16()
+    many = linear(x, None, None, packed)
+    alone = torch.cat([linear(x[i : i + 1], None, None, packed) for i in range(64)])
+    assert not torch.equal(many, alone)
 
 
 @gemv
@@ -256,9 +294,10 @@ def test_bf16_silu_mlp_equals_the_eager_ops(rows, hidden, inter):
     x = torch.randn(rows, hidden, generator=g).bfloat16()
     gate_up = (torch.randn(2 * inter, hidden, generator=g) / hidden**0.5).bfloat16()
     down = (torch.randn(hidden, inter, generator=g) / inter**0.5).bfloat16()
-    got = cpu_kernels.bf16_silu_mlp(x, gate_up, down)
-    gate, up = cpu_kernels.bf16_linear(x, gate_up).split(inter, dim=-1)
-    eager = cpu_kernels.bf16_linear(torch.nn.functional.silu(gate) * up, down)
+    gate_up_packed, down_packed = cpu_kernels.pack_bf16_weight(gate_up), cpu_kernels.pack_bf16_weight(down)
+    got = cpu_kernels.bf16_silu_mlp(x, gate_up_packed, down_packed)
+    gate, up = cpu_kernels.bf16_linear(x, gate_up_packed).split(inter, dim=-1)
+    eager = cpu_kernels.bf16_linear(torch.nn.functional.silu(gate) * up, down_packed)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, hidden)
     torch.testing.assert_close(got, eager, atol=2e-2, rtol=2e-2)
     assert (got == eager).double().mean() > 0.9  # differences are rare 1-ulp ones, not a different op

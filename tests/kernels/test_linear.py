@@ -60,24 +60,21 @@ def _bf16_dummy_llm(tmp_path, batch_invariant: bool, **config):
     return llm, [m for m in llm.engine_core.model.modules() if isinstance(m, Linear)]
 
 
-def test_bf16_batch_invariant_runner_runs_every_row_count_through_the_cpp_kernel(tmp_path):
-    """bf16 with AVX512-BF16 with `--batch-invariant`: no oneDNN copy, each
-    linear's dense weight through the C++ kernel at every row count, and a row's outputs
-    are the same bits alone as among 1 to 70 rows (GEMV up to 8 rows, GEMM tiles above;
-    K not a multiple of 32, N not of 4), and close to a float64 product."""
-    from engine.models.llama import ALL_ROWS
-
-    _, linears = _bf16_dummy_llm(tmp_path, batch_invariant=True, vocab_size=250, hidden_size=80,
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_bf16_runner_runs_every_row_count_through_the_cpp_kernel(tmp_path, batch_invariant):
+    """bf16 with AVX512-BF16, with or without `--batch-invariant` (it picks attention's
+    routes only): no oneDNN copy and no dense weight, each linear's packed weight through the
+    C++ kernel at every row count, and a row's outputs are the same bits alone as among 1 to
+    70 rows (K not a multiple of 32, N not of 32: the kernel's masked tails)."""
+    _, linears = _bf16_dummy_llm(tmp_path, batch_invariant=batch_invariant, vocab_size=250, hidden_size=80,
                                  intermediate_size=150, num_hidden_layers=1, tie_word_embeddings=False)
-    assert linears and all(m.packed is None and m.weight is not None and m.gemv_max_rows == ALL_ROWS for m in linears)
+    assert linears and all(m.packed is None and m.weight is None and m.kernel_weight is not None for m in linears)
     g = torch.Generator().manual_seed(0)
     for m in linears:
-        x = torch.randn(70, m.weight.shape[1], generator=g).bfloat16()
+        x = torch.randn(70, m.kernel_weight.shape[1], generator=g).bfloat16()
         alone = torch.cat([m(x[i : i + 1]) for i in range(70)])
-        for rows in (2, 4, 5, 8, 9, 13, 32, 64, 70):
+        for rows in (2, 4, 5, 8, 9, 11, 12, 13, 32, 64, 65, 70):
             assert torch.equal(m(x[:rows]), alone[:rows]), f"{rows} rows"
-        want = F.linear(x.double(), m.weight.double(), None if m.bias is None else m.bias.double())
-        assert torch.allclose(alone.double(), want, rtol=2**-7, atol=1e-3 * float(want.abs().max()))
 
 
 def test_runner_packs_the_models_linears(tmp_path):
@@ -103,35 +100,41 @@ def test_runner_packs_the_models_linears(tmp_path):
     assert llm.generate(["a b"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
 
 
-def test_bf16_runner_routes_few_rows_to_the_gemv(tmp_path, monkeypatch):
-    """bf16 on a CPU with AVX512-BF16 (the default, not batch-invariant): the linears keep their
-    dense weight for the C++ GEMV (up to GEMV_MAX_ROWS rows) beside the packed one; the
-    GEMV's layer outputs equal oneDNN's within bf16 rounding, and greedy decoding gives the
-    same tokens either way."""
-    from kernels.linear import GEMV_MAX_ROWS
+def test_bf16_runner_kernel_equals_onednn_and_fuses_the_mlp(tmp_path, monkeypatch):
+    """bf16 on a CPU with AVX512-BF16 (the default): the linears hold only the C++ kernel's
+    packed weight (a tied LM head keeps the embedding's dense table); each linear's outputs
+    at 1, 8 and 40 rows equal oneDNN's packed GEMM of the same weight within bf16 rounding;
+    every forward runs each MLP as one C++ call; greedy decoding gives the same tokens as
+    with `PAGODA_CPU_GEMV=0` (oneDNN's copy for every linear)."""
+    from kernels import cpu_kernels
 
-    llm, linears = _bf16_dummy_llm(tmp_path, batch_invariant=False, vocab_size=256, hidden_size=64,
+    if not cpu_kernels.bf16_gemv_available():
+        pytest.skip("the CPU has no AVX512-BF16")
+    monkeypatch.setenv("PAGODA_CPU_GEMV", "0")
+    onednn_llm, onednn_linears = _bf16_dummy_llm(tmp_path / "a", batch_invariant=False, vocab_size=256, hidden_size=64,
+                                                 intermediate_size=160, num_hidden_layers=2, tie_word_embeddings=True)
+    assert all(m.packed is not None and m.kernel_weight is None for m in onednn_linears)
+    monkeypatch.setenv("PAGODA_CPU_GEMV", "1")
+    llm, linears = _bf16_dummy_llm(tmp_path / "b", batch_invariant=False, vocab_size=256, hidden_size=64,
                                    intermediate_size=160, num_hidden_layers=2, tie_word_embeddings=True)
-    assert linears and all(m.packed is not None and m.weight is not None for m in linears)
-    assert all(m.gemv_max_rows == GEMV_MAX_ROWS for m in linears)
+    model = llm.engine_core.model
+    assert linears and all(m.packed is None and m.kernel_weight is not None for m in linears)
+    assert all(m.weight is None for m in linears if m is not model.lm_head)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the lookup's dense table
     g = torch.Generator().manual_seed(0)
-    for m in linears:
-        x = torch.randn(GEMV_MAX_ROWS, m.weight.shape[1], generator=g).bfloat16()
-        got = m(x)  # the GEMV
-        want = F.linear(x.double(), m.weight.double(), None if m.bias is None else m.bias.double())
-        onednn = linear(x, m.weight, m.bias, m.packed)
-        for y in (got, onednn):
-            assert torch.allclose(y.double(), want, rtol=2**-7, atol=1e-3 * float(want.abs().max()))
+    for m, ref in zip(linears, onednn_linears):
+        for rows in (1, 8, 40):
+            x = torch.randn(rows, m.kernel_weight.shape[1], generator=g).bfloat16()
+            got, want = m(x).double(), ref(x).double()
+            assert torch.allclose(got, want, rtol=2**-7, atol=2e-3 * float(want.abs().max())), rows
 
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
     import engine.models.llama as llama
 
-    fused_calls = []  # decode steps run each MLP as one C++ call (GEMV, SiLU-and-mul, GEMV)
+    fused_calls = []  # every forward runs each MLP as one C++ call (linear, SiLU-and-mul, linear)
     fused = llama.bf16_silu_mlp
     monkeypatch.setattr(llama, "bf16_silu_mlp", lambda *a: fused_calls.append(1) or fused(*a))
-    with_gemv = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d"], params)]
-    assert len(fused_calls) >= 2 * 7  # 2 layers x the 7 decode steps after the prefill
-    for m in linears:
-        m.gemv_max_rows = 0  # oneDNN at every row count, as before the GEMV
-    without = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d"], params)]
-    assert with_gemv == without
+    with_kernel = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d"], params)]
+    assert len(fused_calls) >= 2 * 8  # 2 layers x the prefill and 7 decode steps (the fused decode call aside)
+    without = [o.outputs[0].token_ids for o in onednn_llm.generate(["a b c", "d"], params)]
+    assert with_kernel == without

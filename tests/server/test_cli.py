@@ -33,3 +33,24 @@ def test_config_file_switch_must_be_a_boolean(tmp_path):
     path.write_text('enable-prefix-caching: "false"\n')
     with pytest.raises(ValueError, match="enable-prefix-caching"):
         _engine_config(["--config", str(path)])
+
+
+@pytest.mark.parametrize(("argv", "yaml", "cpu", "triton"), [
+    ([], None, True, False),  # not set: on for the C++ CPU kernels, off on the Triton backend
+    (["--batch-invariant"], None, True, True),
+    (["--no-batch-invariant"], None, False, False),
+    ([], "batch-invariant: false\n", False, False),
+    ([], "batch-invariant: true\n", True, True),
+])
+def test_batch_invariance_is_on_by_default_on_the_cpp_cpu_kernels(tmp_path, argv, yaml, cpu, triton):
+    import torch
+
+    if yaml is not None:
+        path = tmp_path / "serve.yaml"
+        path.write_text(yaml)
+        argv = [*argv, "--config", str(path)]
+    kernel = _engine_config(argv).kernel
+    assert kernel.batch_invariant_for(torch.device("cpu")) is cpu
+    assert kernel.batch_invariant_for(torch.device("cuda")) is triton
+    kernel.kernel_backend = "triton"  # the Triton interpreter on a CPU: the GPU's default, off unless asked
+    assert kernel.batch_invariant_for(torch.device("cpu")) is triton

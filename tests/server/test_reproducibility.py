@@ -1,4 +1,5 @@
-"""Same request, same tokens, through the real server with `--batch-invariant` in bf16: the issue's
+"""Same request, same tokens, through the real server with its defaults in bf16 (batch-invariant
+without a flag; the start-up log says so): the issue's
 two reproductions (the same chat request three times, cold then from the prefix cache; 16
 completions one by one and the same 16 at once), streamed vs not, and seeded sampling beside
 other traffic. Text and every logprob must be equal, bit for bit (JSON floats round-trip).
@@ -22,7 +23,11 @@ CHAT = dict(messages=[{"role": "system", "content": "You are terse."}, {"role": 
 
 @pytest.fixture(scope="module")
 def bf16_url(start_server) -> str:
-    return start_server(["--dtype", "bfloat16", "--batch-invariant"]).url
+    # bf16 (what --dtype auto is on an AVX512-BF16 CPU; the test servers otherwise fix float32),
+    # no other flag: batch invariance is the default.
+    server = start_server(["--dtype", "bfloat16"])
+    assert "[pagoda] batch_invariant: on" in server.log_path.read_text(errors="replace")
+    return server.url
 
 
 def chat_result(body: dict) -> tuple:
