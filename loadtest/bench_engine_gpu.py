@@ -92,11 +92,23 @@ def measure_matmul_tflops(do_bench, device: torch.device, n: int = 8192) -> floa
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter and buffer once, except the
     embedding table and the RoPE tables, of which a step reads one row (the LM head is
-    counted even when tied to the embedding: it reads all of it)."""
+    counted even when tied to the embedding: it reads all of it). A linear whose kernel reads
+    a packed copy (the C++ bf16 kernel's `kernel_weight` or oneDNN's `packed`, engine/models/
+    llama.py `prepack_linears`) counts that copy instead of its weight parameter, which a
+    tied head keeps only for the embedding lookup."""
+    from engine.models.llama import Linear
+
     storages: dict[int, int] = {}
+    packed_weights: set[str] = set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        copy = getattr(module, "kernel_weight", None) if isinstance(module, Linear) else None
+        copy = copy if copy is not None else (getattr(module, "packed", None) if isinstance(module, Linear) else None)
+        if copy is not None:
+            storages[copy.untyped_storage().data_ptr()] = copy.untyped_storage().nbytes()
+            packed_weights.add(f"{name}.weight" if name else "weight")
     named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
     for name, t in named:
-        if name.startswith(("model.embed_tokens.", "rope.")):
+        if name.startswith(("model.embed_tokens.", "rope.")) or name in packed_weights:
             continue
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
