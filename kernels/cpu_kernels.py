@@ -69,7 +69,7 @@ BLOCK_MIN_ROWS = 16
 # tokens of context spreads over both threads as the split route (`attention_parts`) did.
 KEY_PART = 128
 # Query tokens per work item on the invariant route (any value gives the same bits).
-INVARIANT_Q_CHUNK = 8
+INVARIANT_Q_CHUNK = 32
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+
 #include <vector>
 
 namespace {
@@ -426,6 +427,7 @@ inline void weigh_values(const float* w, int64_t stride, int64_t rows, int64_t n
     for (int64_t r = 0; r < rt; ++r) done(r0 + r, acc[r]);
   }
 }
+
 
 // One work item (as attend_item) of bf16 attention with few query rows: a decode (the KV
 // head's group of query heads) or a short chunk. attend_item's one online-softmax pass per
@@ -838,12 +840,16 @@ bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, con
 //  - the keys are cut into parts at fixed absolute positions [j P, (j + 1) P) (P =
 //    key_part, a multiple of 16), and within a part into groups of 16 at absolute
 //    positions too;
-//  - a key's score: the bf16 query and key as stored, HD/32 vdpbf16ps in one chain, the 16
-//    lanes summed by sum16's tree for the key's group, times the scale;
+//  - a key's score: the bf16 query and key as stored, HD/32 vdpbf16ps in one chain (lane j
+//    holding the dims' pairs j, 16 + j, ...), the 16 lanes summed by sum16's tree, times the
+//    scale; computed per row as dot products (few rows: a decode) or, for many rows, with
+//    the group's keys transposed and the keys in the lanes (one vector per lane j, then
+//    tree16: the same adds in the same order), the same bits either way;
 //  - per part, the row's maximum score m_j over its keys there, e = 2^((s - m_j) log2 e)
 //    (exp2_nonpositive16), the sum l_j of e in 16 lanes by key position mod 16 over the
-//    part's groups in order, then _mm512_reduce_add_ps; the weighted values acc_j: one
-//    float32 FMA chain per dimension over the part's keys in position order;
+//    part's groups in order, then _mm512_reduce_add_ps; the weighted values acc_j: e
+//    rounded to bf16 and taken in key pairs (2i, 2i + 1) from the part's start, one float32
+//    vdpbf16ps chain per dimension over the pairs in order;
 //  - the parts merged in order: M the largest m_j of the parts holding a key of the row,
 //    out = sum_j acc_j e^(m_j - M) / sum_j l_j e^(m_j - M), rounded to bf16 once.
 // Keys a row does not see (after it, or before its window) are computed and then weighted
@@ -856,47 +862,130 @@ struct PartWork {
   int64_t item, key_lo, key_hi, offset;  // absolute key range [key_lo, key_hi); partials at offset
 };
 
-// One item's part: the keys [key_lo, key_hi) (key_lo a multiple of 16 or the part's start)
-// for query tokens [i0, i1) of the chunk of q_len new tokens at the end of ctx; writes each
-// row's acc [HD], m, l to partial (rows x (HD + 2) floats; l = 0 where no key is the row's).
+
+// One item's part on the invariant route (see above): the keys [key_lo, key_hi) (key_lo a
+// multiple of 16 or the part's start) for query tokens [i0, i1) of the chunk of q_len new
+// tokens at the end of ctx; writes each row's acc [HD], m, l to partial (rows x (HD + 2)
+// floats; l = 0 where no key is the row's). The part's K (for many rows) and V are prepared
+// once for all of the item's rows, in the pair layout vdpbf16ps wants:
+//  - scores: few rows (a decode's group of query heads), score_16_keys's dot products;
+//    many, each group of 16 keys transposed once to [HD/2 pairs][16 keys] and each row's
+//    scores with the keys in the lanes (transposed_scores);
+//  - V interleaved once by key pairs to [HD/16][pairs][16 dims][2]; a row's weights rounded
+//    to bf16 and paired the same way; its value sums: per 16 dims one vdpbf16ps chain over
+//    the pairs, rows in tiles sharing the V loads.
+// Every step is per row, so a row's partials do not depend on the item's other rows.
+// Items of at least this many query rows transpose each group of keys for their scores.
+constexpr int64_t kTransposeRows = 8;
+
 template <int64_t HD>
-void attend_part_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
-                      int64_t ctx, int64_t q_len, int64_t i0, int64_t i1, int64_t q_start, int64_t kvh, int64_t H,
-                      int64_t Hkv, int64_t BS, float scale, int64_t window, int64_t key_lo, int64_t key_hi,
-                      float* partial, std::vector<float>& scratch) {
-  static_assert(HD % 32 == 0, "head dim: a multiple of 32");
+struct PartScratch {
+  std::vector<float> scores;     // [rows][stride]: scores, then e
+  std::vector<uint16_t> weights; // [rows][stride]: e rounded to bf16
+  std::vector<uint32_t> keys;    // [HD/2][16]: one group of keys, transposed
+  std::vector<uint32_t> values;  // [HD/16][pairs][16]
+};
+
+// sum16's tree, on 16 vectors whose lanes are keys: out = sum over j of L[j], added in the
+// order sum16 adds the 16 lanes of one key's vector (its unpack and shuffle stages, worked
+// out: lanes 4c..4c+3 as (L4c + L4c+2) + (L4c+1 + L4c+3), then (c0 + c1) + (c2 + c3)), so
+// a score computed with the keys in the lanes is the same bits as score_16_keys's.
+inline __m512 tree16(const __m512* L) {
+  __m512 P[4];
+  for (int c = 0; c < 4; ++c)
+    P[c] = _mm512_add_ps(_mm512_add_ps(L[4 * c], L[4 * c + 2]), _mm512_add_ps(L[4 * c + 1], L[4 * c + 3]));
+  return _mm512_add_ps(_mm512_add_ps(P[0], P[1]), _mm512_add_ps(P[2], P[3]));
+}
+
+// score_16_keys's scores for one query row q (its 32-bit pairs) and the 16 keys of group
+// kt ([HD/2 pairs][16 keys]), keys in the lanes: lane value j of score_16_keys's chain is
+// the chain over the pairs j, 16 + j, ... (HD/32 of them, in order), here one vector per j;
+// then tree16 and the scale.
+template <int64_t HD>
+inline __m512 transposed_scores(const uint32_t* q, const uint32_t* kt, __m512 vscale) {
+  constexpr int64_t NQ = HD / 32;
+  __m512 L[16];
+  for (int j = 0; j < 16; ++j) L[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < NQ; ++c)
+    for (int j = 0; j < 16; ++j)
+      L[j] = _mm512_dpbf16_ps(L[j], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[16 * c + j])),
+                              (__m512bh)_mm512_loadu_si512(kt + (16 * c + j) * 16));
+  return _mm512_mul_ps(tree16(L), vscale);
+}
+
+// Value sums of RT rows: per dimension block c, one chain over the key pairs in order.
+template <int64_t HD, int RT, typename Done>
+inline void pair_values(const uint32_t* const* w, const uint32_t* vt, int64_t pairs, int64_t r0, const Done& done) {
   constexpr int64_t NV = HD / 16;
+  __m512 acc[RT][NV];
+  for (int r = 0; r < RT; ++r)
+    for (int64_t c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh wp[RT];
+    for (int r = 0; r < RT; ++r) wp[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r][j]));
+    for (int64_t c = 0; c < NV; ++c) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(vt + (c * pairs + j) * 16);
+      for (int r = 0; r < RT; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wp[r], v);
+    }
+  }
+  for (int r = 0; r < RT; ++r) done(r0 + r, acc[r]);
+}
+
+template <int64_t HD>
+void attend_part_pairs_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
+                            int64_t ctx, int64_t q_len, int64_t i0, int64_t i1, int64_t q_start, int64_t kvh, int64_t H,
+                            int64_t Hkv, int64_t BS, float scale, int64_t window, int64_t key_lo, int64_t key_hi,
+                            float* partial, PartScratch<HD>& scratch) {
+  static_assert(HD % 32 == 0, "head dim: a multiple of 32");
+  constexpr int64_t NV = HD / 16, NP = HD / 2;
   constexpr int64_t kLines = HD * 2 / 64;
   const int64_t g = H / Hkv, rows = (i1 - i0) * g, first_pos = ctx - q_len;
-  const int64_t n = key_hi - key_lo, stride = (n + 15) / 16 * 16;
-  scratch.resize(rows * stride);
-  float* s = scratch.data();  // [rows][stride]: scores, then weights
+  const int64_t n = key_hi - key_lo, groups = (n + 15) / 16, stride = groups * 16, pairs = stride / 2;
+  scratch.scores.resize(rows * stride);
+  scratch.weights.resize(rows * stride);
+  scratch.keys.resize(NP * 16);
+  scratch.values.resize(NV * pairs * 16);
+  float* s = scratch.scores.data();
   const int64_t row_stride = Hkv * HD;
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(kc);
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(vc);
-  auto q_row = [&](int64_t r) { return qb + item_row(q_start, i0, r, g, H, kvh) * HD; };
-  const __m512 vscale = _mm512_set1_ps(scale);
   prefetch_key_rows(kb, table, BS, row_stride, kvh * HD, key_lo, n, kLines);
-  KeyCursor keys(kb, table, BS, row_stride, kvh * HD, key_lo, n);
-  const uint16_t* kp[16];
-  for (int64_t k0 = 0; k0 < n; k0 += 16) {
-    keys.take(kp, 16);  // slots past the part's last key repeat it (their scores are never used)
+  const __m512 vscale = _mm512_set1_ps(scale);
+  auto q_row = [&](int64_t r) { return qb + item_row(q_start, i0, r, g, H, kvh) * HD; };
+  KeyCursor cursor(kb, table, BS, row_stride, kvh * HD, key_lo, n);
+  const uint16_t* kp[16];  // slots past the part's last key repeat it (their scores are never used)
+  uint32_t* kt = scratch.keys.data();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    cursor.take(kp, 16);
     for (int64_t t = 0; t < 16; ++t)
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(vb + (kp[t] - kb) + 32 * c), _MM_HINT_T1);
-    score_16_keys<HD>(q_row, rows, kp, s + k0, stride, vscale);
+    if (rows < kTransposeRows) {  // a decode: each row's dot products, reduced by sum16
+      score_16_keys<HD>(q_row, rows, kp, s + gi * 16, stride, vscale);
+      continue;
+    }
+    // Many rows: the group's keys transposed once, the rows' scores with the keys in the lanes.
+    for (int64_t t = 0; t < 16; ++t) {
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(kp[t]);
+      for (int64_t p = 0; p < NP; ++p) kt[p * 16 + t] = src[p];
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      _mm512_storeu_ps(s + r * stride + gi * 16,
+                       transposed_scores<HD>(reinterpret_cast<const uint32_t*>(q_row(r)), kt, vscale));
   }
+  // Per row: max, e (0 outside the row's keys), its sum; e rounded to bf16 for the values.
   const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t r = 0; r < rows; ++r) {
-    // This row's keys: p - window < k <= p, as indices into the part's scores.
     const int64_t p = first_pos + i0 + r / g;
     const int64_t a = std::max<int64_t>(0, (window > 0 ? p - window + 1 : 0) - key_lo);
     const int64_t b = std::min<int64_t>(n, p + 1 - key_lo);
     float* sr = s + r * stride;
+    uint16_t* wr = scratch.weights.data() + r * stride;
     float* pr = partial + r * (HD + 2);
     if (a >= b) {  // none of the part's keys is this row's
       for (int64_t c = 0; c < HD + 2; ++c) pr[c] = 0.f;
+      std::memset(wr, 0, stride * sizeof(uint16_t));
       continue;
     }
     float m = -std::numeric_limits<float>::infinity();
@@ -909,17 +998,61 @@ void attend_part_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
                            _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(static_cast<int>(b)));
       const __m512 e = _mm512_maskz_mov_ps(
           in, exp2_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, sr + k0), vm), log2e)));
-      _mm512_storeu_ps(sr + k0, e);
       sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wr + k0), (__m256i)_mm512_cvtneps_pbh(e));
     }
     pr[HD] = m;
     pr[HD + 1] = _mm512_reduce_add_ps(sum);
   }
-  weigh_values<HD>(s, stride, rows, n, vb, table, BS, row_stride, kvh * HD, key_lo, [&](int64_t r, const __m512* acc) {
+  // V interleaved by key pairs (a pair past the part's last key: zeros).
+  {
+    KeyCursor cursor(vb, table, BS, row_stride, kvh * HD, key_lo, n);
+    uint32_t* vt = scratch.values.data();
+    const __m256i zero = _mm256_setzero_si256();
+    for (int64_t j = 0; j < pairs; ++j) {
+      const uint16_t* v0 = nullptr;
+      const uint16_t* v1 = nullptr;
+      if (2 * j < n) {
+        v0 = cursor.row();
+        if (2 * j + 1 < n) cursor.next();
+      }
+      if (2 * j + 1 < n) {
+        v1 = cursor.row();
+        if (2 * j + 2 < n) cursor.next();
+      }
+      for (int64_t c = 0; c < NV; ++c) {
+        const __m256i lo = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c)) : zero;
+        const __m256i hi = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * c)) : zero;
+        const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+        _mm512_storeu_si512(vt + (c * pairs + j) * 16, pair);
+      }
+    }
+  }
+  // Value sums, rows in tiles (24 accumulators at head dim 64).
+  constexpr int kRows = HD >= 256 ? 1 : static_cast<int>(384 / HD);
+  auto done = [&](int64_t r, const __m512* acc) {
     float* pr = partial + r * (HD + 2);
     if (!(pr[HD + 1] > 0.f)) return;  // zeroed above
     for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(pr + 16 * c, acc[c]);
-  });
+  };
+  const uint32_t* weights = reinterpret_cast<const uint32_t*>(scratch.weights.data());
+  int64_t r0 = 0;
+  for (; r0 + kRows <= rows; r0 += kRows) {
+    const uint32_t* w[kRows];
+    for (int r = 0; r < kRows; ++r) w[r] = weights + (r0 + r) * pairs;
+    pair_values<HD, kRows>(w, scratch.values.data(), pairs, r0, done);
+  }
+  if (r0 < rows) {  // the last rows (a decode's whole group of query heads) in one tile
+    const uint32_t* w[kRows];
+    for (int64_t r = 0; r < rows - r0; ++r) w[r] = weights + (r0 + r) * pairs;
+    switch (rows - r0) {
+      case 1: pair_values<HD, 1>(w, scratch.values.data(), pairs, r0, done); break;
+      case 2: pair_values<HD, 2>(w, scratch.values.data(), pairs, r0, done); break;
+      case 3: pair_values<HD, 3>(w, scratch.values.data(), pairs, r0, done); break;
+      case 4: pair_values<HD, 4>(w, scratch.values.data(), pairs, r0, done); break;
+      default: pair_values<HD, 5>(w, scratch.values.data(), pairs, r0, done); break;
+    }
+  }
 }
 
 // The invariant route for a step's bf16 chunks (see above): items of up to `q_chunk` query
@@ -954,20 +1087,25 @@ void attention_invariant(const c10::BFloat16* q, const c10::BFloat16* kc, const 
     }
   }
   first_part.push_back(static_cast<int64_t>(parts.size()));
-  std::vector<float> partials(floats);
+  // Every part writes all of its rows' partials, so the buffer needs no clearing; kept per
+  // thread across calls: a long prompt's partials (tens of MB per layer) would otherwise be
+  // zero-filled and page-faulted in afresh at every layer.
+  thread_local std::vector<float> partial_buffer;
+  if (static_cast<int64_t>(partial_buffer.size()) < floats) partial_buffer.resize(floats);
+  float* const partials = partial_buffer.data();
   const int64_t n_parts = static_cast<int64_t>(parts.size()), n_items = static_cast<int64_t>(items.size());
   const float sc = static_cast<float>(scale);
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_parts)));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scratch;
+    PartScratch<HD> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_parts; ++i) {
       const PartWork& pt = parts[i];
       const Item& w = items[pt.item];
-      attend_part_bf16<HD>(q, kc, vc, tables + w.seq * max_blocks, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0, w.i1,
+      attend_part_pairs_bf16<HD>(q, kc, vc, tables + w.seq * max_blocks, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0, w.i1,
                            qsl[w.seq], w.h0, H, Hkv, BS, sc, window, pt.key_lo, pt.key_hi,
-                           partials.data() + pt.offset, scratch);
+                           partials + pt.offset, scratch);
     }
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < n_items; ++it) {
@@ -977,13 +1115,13 @@ void attention_invariant(const c10::BFloat16* q, const c10::BFloat16* kc, const 
       for (int64_t r = 0; r < rows; ++r) {
         float big = -std::numeric_limits<float>::infinity();
         for (int64_t j = first_part[it]; j < first_part[it + 1]; ++j) {
-          const float* pr = partials.data() + parts[j].offset + r * (HD + 2);
+          const float* pr = partials + parts[j].offset + r * (HD + 2);
           if (pr[HD + 1] > 0.f) big = std::max(big, pr[HD]);
         }
         float total = 0.f;
         float acc[HD] = {};
         for (int64_t j = first_part[it]; j < first_part[it + 1]; ++j) {
-          const float* pr = partials.data() + parts[j].offset + r * (HD + 2);
+          const float* pr = partials + parts[j].offset + r * (HD + 2);
           if (!(pr[HD + 1] > 0.f)) continue;  // no key of this part is the row's
           const float f = std::exp(pr[HD] - big);
           total += pr[HD + 1] * f;
