@@ -177,15 +177,20 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return _rowwise(lambda out, rows: load().bf16_gemv(out, rows, packed, bias), x, packed.shape[0])
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`(x @ qweight.T) * scales` for bf16 x, an int8 weight [N, K] and bf16 row scales [N]
-    through the small-batch int8 GEMV (csrc/cpu_kernels.cpp `int8_gemv`): the weight
-    widened to bf16 32 at a time (exact) and streamed like `bf16_linear`'s: ~1.6x torch's
-    `_weight_int8pack_mm` at one row on a weight read from memory (a decode step's case;
-    on a cache-resident weight torch's is 1.1-1.3x faster: docs/BENCHMARKS.md). For few
-    rows (kernels/quant_linear.py routes by row count, `INT8_GEMV_MAX_ROWS`). Only where
+def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:
+    """The int8 kernel's copy of a W8A16 weight (int8 [N, K] on CPU): `pack_bf16_weight`'s
+    pair layout (csrc/cpu_kernels.cpp `pack_int8_weight`), read only by `int8_linear` and
+    `bf16_decode_layers`. Only where `bf16_gemv_available()`."""
+    return load().pack_int8_weight(qweight)
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`(x @ qweight.T) * scales` for bf16 x, `packed` = `pack_int8_weight(qweight)` and bf16
+    row scales [N] (csrc/cpu_kernels.cpp `int8_linear_impl`): `bf16_linear`'s kernel with each
+    32 weights widened to bf16 as loaded, every row count, batch-invariant; at one row it
+    streams the int8 weight ~1.7x faster than torch's `_weight_int8pack_mm`. Only where
     `bf16_gemv_available()`."""
-    return _rowwise(lambda out, rows: load().int8_gemv(out, rows, qweight, scales), x, qweight.shape[0])
+    return _rowwise(lambda out, rows: load().int8_gemv(out, rows, packed, scales), x, packed.shape[0])
 
 
 def bf16_silu_mlp(x: torch.Tensor, gate_up_packed: torch.Tensor, down_packed: torch.Tensor) -> torch.Tensor:

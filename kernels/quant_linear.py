@@ -10,9 +10,10 @@ that works everywhere (CUDA, a torch without these private ops). The cost: activ
 and outputs are rounded to bf16 (relative 2^-9) around each quantized GEMM; the int8/int4
 rounding of the weights is larger (tests bound the end-to-end effect). The private ops
 are probed once against the reference (`_cpu_op_works`); any failure selects the
-reference path. W8A16 calls of up to `INT8_GEMV_MAX_ROWS` rows (decode) run Pagoda's
-int8 GEMV instead where the C++ kernels have it (AVX512-BF16): the same weight stream at
-~1.5x the rate (kernels/cpu_kernels.py `int8_linear`).
+reference path. W8A16 on an AVX512-BF16 CPU runs Pagoda's C++ int8 kernel instead, at
+every row count, once the engine has packed the weight for it (`Int8Linear.kernel_weight`):
+one arithmetic per output whatever the rows (batch-invariant), and at decode it streams the
+int8 weight ~1.7x faster than torch's kernel (kernels/cpu_kernels.py `int8_linear`).
 
 W8A8 (`w8a8_linear`: int8 weights, activations quantized per token at run time) on CPU
 runs `torch._int_mm` (int8 x int8 -> int32) on the stored [N, K] weight (a transposed
@@ -103,10 +104,13 @@ def w8a16_linear_cpu(
     qweight: torch.Tensor,  # [N, K] int8
     scales: torch.Tensor,  # [N] bfloat16
     bias: torch.Tensor | None = None,  # [N]
+    kernel_weight: torch.Tensor | None = None,  # qweight packed by cpu_kernels.pack_int8_weight
 ) -> torch.Tensor:
-    rows = x.to(torch.bfloat16)
-    if rows.dim() == 2 and rows.shape[0] <= INT8_GEMV_MAX_ROWS and _int8_gemv_runs():
-        out = cpu_kernels.int8_linear(rows, qweight, scales).to(x.dtype)
+    """W8A16 on CPU: with `kernel_weight` (the engine's Int8Linear once prepacked, where the
+    C++ kernels have AVX512-BF16) Pagoda's int8 kernel at every row count (batch-invariant:
+    one arithmetic per output whatever the rows), else torch's `_weight_int8pack_mm`."""
+    if kernel_weight is not None:
+        out = cpu_kernels.int8_linear(x.to(torch.bfloat16), kernel_weight, scales).to(x.dtype)
     else:
         out = _int8pack_mm(x, qweight, scales)
     return out if bias is None else out + bias
@@ -115,20 +119,6 @@ def w8a16_linear_cpu(
 def _int8pack_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """torch's int8 weight-only kernel on bf16 activations, output in x's dtype."""
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scales).to(x.dtype)
-
-
-# Up to this many rows (decode batches, speculative verification chunks) W8A16 on CPU runs
-# Pagoda's int8 GEMV where the C++ kernels have it (AVX512-BF16): at one row it streams the
-# int8 weight at ~1.6x the rate of torch's `_weight_int8pack_mm` (the bundled model's INT8
-# LM head, 28 MB: 1.0 against 1.6 ms in a development timing alternating the two, 26-29
-# against 17-18 GB/s while a read stream ran at 32 GB/s); it reads W once for up to 4 rows
-# and again for each further 4, so from a few rows on torch's blocked kernel catches up.
-INT8_GEMV_MAX_ROWS = 8
-
-
-@functools.cache
-def _int8_gemv_runs() -> bool:
-    return cpu_kernels.bf16_gemv_available()
 
 
 def pack_int4_cpu(
@@ -158,14 +148,16 @@ def w4a16_linear_cpu(
     return out if bias is None else out + bias
 
 
-def w8a16_linear(x, qweight, scales, bias=None, *, invariant=False):  # noqa: ANN001 - the reference's signature
+def w8a16_linear(x, qweight, scales, bias=None, *, invariant=False, kernel_weight=None):  # noqa: ANN001 - the reference's signature
     """The Triton kernel on CUDA (reads the int8 weight once, no dequantized copy; `invariant`:
-    one config at every M); on CPU torch's int8 kernel when it works here (scales must then
-    be bf16); else the reference."""
+    one config at every M); on CPU Pagoda's int8 kernel given its packed `kernel_weight`, else
+    torch's int8 kernel when it works here (scales must then be bf16); else the reference."""
     if use_triton(x.device):
         from kernels import triton_w8a16
 
         return triton_w8a16.w8a16_linear(x, qweight, scales, bias, invariant=invariant)
+    if x.device.type == "cpu" and kernel_weight is not None:
+        return w8a16_linear_cpu(x, qweight, scales.to(torch.bfloat16), bias, kernel_weight)
     if x.device.type == "cpu" and cpu_int8_mm_available():
         return w8a16_linear_cpu(x, qweight, scales.to(torch.bfloat16), bias)
     return w8a16_linear_ref(x, qweight, scales, bias)

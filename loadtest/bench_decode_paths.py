@@ -10,7 +10,7 @@ The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
 - fused: every decoder layer of the step in one C++ call (the engine's route);
 - per-op: the model's Python forward, one kernel call per op (`PAGODA_CPU_FUSED_DECODE=0`);
 - per-op, torch int8 (`--int8-gemv`): also W8A16 through torch's `_weight_int8pack_mm`
-  instead of Pagoda's int8 GEMV (`INT8_GEMV_MAX_ROWS = 0`).
+  instead of Pagoda's int8 kernel (each `Int8Linear`'s packed copy set aside).
 
 This VM's memory bandwidth drifts by up to 2x over minutes, so the paths take turns, round
 after round, and the read bandwidth (`bench_offline.measure_read_bandwidth_gbs`) is measured
@@ -53,19 +53,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
 
-    import kernels.quant_linear as quant_linear
     from engine import LLM, SamplingParams
+    from engine.quantization.linears import Int8Linear
 
     llm = LLM(dtype=args.dtype, quantization=args.quantization)
     model = llm.engine_core.worker.model
     fused = model.fused_decode
     if fused is None:
         sys.exit("the fused decode call does not run for this model here (the start-up log's decode_layers line says why)")
-    int8_rows = quant_linear.INT8_GEMV_MAX_ROWS
+    int8_linears = {m: m.kernel_weight for m in model.modules() if isinstance(m, Int8Linear)}
 
     def use(path: str) -> None:
         model.fused_decode = fused if path == "fused" else None
-        quant_linear.INT8_GEMV_MAX_ROWS = 0 if path == "per-op, torch int8" else int8_rows
+        for linear, packed in int8_linears.items():
+            linear.kernel_weight = None if path == "per-op, torch int8" else packed
 
     paths = ["fused", "per-op"] + (["per-op, torch int8"] if args.int8_gemv else [])
 

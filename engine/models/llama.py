@@ -18,7 +18,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.models.args import ModelArgs, rope_inv_freq
 from kernels import cpu_kernels
-from kernels.cpu_kernels import bf16_linear, bf16_silu_mlp, pack_bf16_weight
+from kernels.cpu_kernels import bf16_linear, bf16_silu_mlp, pack_bf16_weight, pack_int8_weight
 from kernels.elementwise import rms_norm, rotate_half
 from kernels.linear import gemv_enabled, gemv_takes, linear, pack_weight, packed_linear
 from kernels.ops import KernelOps
@@ -145,9 +145,18 @@ def prepack_linears(model: nn.Module) -> tuple[int, int]:
         param.untyped_storage().data_ptr() for module in model.modules() if not isinstance(module, Linear)
         for param in module.parameters(recurse=False)
     }
+    from engine.quantization.linears import Int8Linear
+
     packed = kept_shared = 0
     kernel = None  # whether the C++ bf16 kernel runs here: asked once, and only for a bf16 model
     for module in model.modules():
+        if isinstance(module, Int8Linear) and module.qweight.device.type == "cpu":
+            # W8A16 on CPU: the C++ int8 kernel at every row count (its packed copy beside the
+            # int8 weight, which tensor-parallel sharding and the references read).
+            kernel = gemv_enabled() if kernel is None else kernel
+            if kernel:
+                module.kernel_weight = pack_int8_weight(module.qweight)
+            continue
         if not isinstance(module, Linear) or module.weight is None:
             continue
         if gemv_takes(module.weight, module.bias):
@@ -353,8 +362,8 @@ class FusedDecodeLayers:
         elif _is_cpu_int4(linear):
             self.tensors += [linear.qweight, bias, linear.scales_and_zeros]
             self.kinds.append(linear.group_size)
-        else:  # an Int8Linear (`_decode_kernel_runs`)
-            self.tensors += [linear.qweight, bias, linear.scales]
+        else:  # an Int8Linear with its packed copy (`_decode_kernel_runs`)
+            self.tensors += [linear.kernel_weight, bias, linear.scales]
             self.kinds.append(-1)
 
     @classmethod
@@ -416,9 +425,9 @@ def _is_cpu_int4(linear: nn.Module) -> bool:
 def _decode_kernel_runs(linear: nn.Module) -> bool:
     """Whether the fused decode call runs this linear as the per-op forward does: the bf16
     kernel (a `Linear` with a `kernel_weight`), torch's CPU int4 kernel (an `Int4Linear` in its
-    layout) or its int8 kernel (an `Int8Linear` with the bf16 scales it takes), bf16 biases."""
+    layout) or the C++ int8 kernel (an `Int8Linear` with its packed copy and bf16 scales), bf16
+    biases."""
     from engine.quantization.linears import Int8Linear
-    from kernels.quant_linear import cpu_int8_mm_available
 
     if linear.bias is not None and linear.bias.dtype != torch.bfloat16:
         return False
@@ -426,7 +435,7 @@ def _decode_kernel_runs(linear: nn.Module) -> bool:
         return linear.kernel_weight is not None
     if _is_cpu_int4(linear):
         return True
-    return type(linear) is Int8Linear and linear.scales.dtype == torch.bfloat16 and cpu_int8_mm_available()
+    return type(linear) is Int8Linear and linear.scales.dtype == torch.bfloat16 and linear.kernel_weight is not None
 
 
 class LlamaForCausalLM(nn.Module):

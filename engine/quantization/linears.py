@@ -40,9 +40,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)  # [N, K] int8
         self.register_buffer("scales", scales)  # [N]
         self.register_buffer("bias", bias)
+        # On an AVX512-BF16 CPU, the C++ int8 kernel's packed copy of `qweight`
+        # (`cpu_kernels.pack_int8_weight`, set by engine/models/llama.py `prepack_linears`):
+        # then every call runs that kernel, at any row count (batch-invariant).
+        self.kernel_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return w8a16_linear(x, self.qweight, self.scales, self.bias, invariant=self.invariant)
+        return w8a16_linear(x, self.qweight, self.scales, self.bias, invariant=self.invariant,
+                            kernel_weight=self.kernel_weight)
 
 
 class Int4Linear(nn.Module):

@@ -1463,19 +1463,6 @@ constexpr int64_t kPrefetchL2Ahead = 4096;  // bf16 elements: 8 KB, past the nex
 constexpr int64_t kGroup = 32;               // outputs per packed group
 constexpr int64_t kPairLine = 2 * kGroup;    // bf16 elements of one group's pair: 128 bytes
 
-// The sums of four accumulators' 16 lanes each, as [sum a, sum b, sum c, sum d]: 13
-// instructions where four _mm512_reduce_add_ps take ~36 (the int8 GEMV's rows).
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d.
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  // Per 128-bit lane: [a, b, c, d] partial sums.
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 // x's pair kp of a row of K (K odd: the last pair's second element is 0), in every lane.
 inline __m512bh x_pair(const uint16_t* x, int64_t kp, int64_t K) {
   uint32_t v;
@@ -1487,24 +1474,57 @@ inline __m512bh x_pair(const uint16_t* x, int64_t kp, int64_t K) {
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
 }
 
-// Finishes one x row's outputs [n0, n0 + 32) of a group: the bias (bf16, nullptr for
-// none) added in float, rounded to bf16 once, stored (masked past N).
-inline void store_group(__m512 lo, __m512 hi, const uint16_t* bias, uint16_t* y, int64_t n0, int64_t N) {
+// Widens 32 int8 weights to bf16 in order (exact: |q| <= 128 needs 8 bits of mantissa).
+inline __m512bh int8x32_to_bf16(const int8_t* w) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // [lo's 16, hi's 16]: the weights in order
+}
+
+// A group's pair kp as two bf16 vectors (outputs 0-15, 16-31): bf16 weights as stored, int8
+// ones (W8A16: q - 128 with a scale per output) widened.
+inline void load_pair_line(const uint16_t* p, __m512bh& a, __m512bh& b) {
+  a = (__m512bh)_mm512_loadu_si512(p);
+  b = (__m512bh)_mm512_loadu_si512(p + 32);
+}
+inline void load_pair_line(const int8_t* p, __m512bh& a, __m512bh& b) {
+  a = int8x32_to_bf16(p);
+  b = int8x32_to_bf16(p + 32);
+}
+
+// 32 bf16 values [n0, n0 + 32) (masked past N) as two float vectors.
+inline void load_bf16x32(const uint16_t* v, __mmask32 mask, __m512& lo, __m512& hi) {
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(mask), v)), 16));
+  hi = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(mask >> 16), v + 16)), 16));
+}
+
+// Finishes one x row's outputs [n0, n0 + 32) of a group: times the per-output scale (bf16,
+// int8 weights; nullptr: none), plus the bias (bf16; nullptr: none), both in float, rounded
+// to bf16 once, stored (masked past N).
+inline void store_group(__m512 lo, __m512 hi, const uint16_t* bias, const uint16_t* scale, uint16_t* y, int64_t n0,
+                        int64_t N) {
   const int64_t left = N - n0;
   const __mmask32 mask = left >= kGroup ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << left) - 1);
+  __m512 a, b;
+  if (scale) {
+    load_bf16x32(scale + n0, mask, a, b);
+    lo = _mm512_mul_ps(lo, a);
+    hi = _mm512_mul_ps(hi, b);
+  }
   if (bias) {
-    const __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(mask), bias + n0));
-    const __m512i b2 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(mask >> 16), bias + n0 + 16));
-    lo = _mm512_add_ps(lo, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
-    hi = _mm512_add_ps(hi, _mm512_castsi512_ps(_mm512_slli_epi32(b2, 16)));
+    load_bf16x32(bias + n0, mask, a, b);
+    lo = _mm512_add_ps(lo, a);
+    hi = _mm512_add_ps(hi, b);
   }
   _mm512_mask_storeu_epi16(y + n0, mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
 // x rows [0, MR) (row stride K) against G adjacent groups starting at `pg`, outputs from n0.
-template <int MR, int G>
-inline void linear_tile(const uint16_t* __restrict x, const uint16_t* __restrict pg, const uint16_t* __restrict bias,
-                        uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
+template <int MR, int G, typename T>
+inline void linear_tile(const uint16_t* __restrict x, const T* __restrict pg, const uint16_t* __restrict bias,
+                        const uint16_t* __restrict scale, uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
   const int64_t Kp = (K + 1) / 2, full = K / 2, group_stride = Kp * kPairLine;
   __m512 acc[MR][2 * G];
   for (int m = 0; m < MR; ++m)
@@ -1517,10 +1537,7 @@ inline void linear_tile(const uint16_t* __restrict x, const uint16_t* __restrict
       }
     }
     __m512bh w[2 * G];
-    for (int g = 0; g < G; ++g) {
-      w[2 * g] = (__m512bh)_mm512_loadu_si512(pg + g * group_stride + kp * kPairLine);
-      w[2 * g + 1] = (__m512bh)_mm512_loadu_si512(pg + g * group_stride + kp * kPairLine + 32);
-    }
+    for (int g = 0; g < G; ++g) load_pair_line(pg + g * group_stride + kp * kPairLine, w[2 * g], w[2 * g + 1]);
     for (int m = 0; m < MR; ++m) {
       __m512bh xv;
       if (kp < full) {
@@ -1534,35 +1551,37 @@ inline void linear_tile(const uint16_t* __restrict x, const uint16_t* __restrict
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int g = 0; g < G; ++g) store_group(acc[m][2 * g], acc[m][2 * g + 1], bias, y + m * N, n0 + g * kGroup, N);
+    for (int g = 0; g < G; ++g) store_group(acc[m][2 * g], acc[m][2 * g + 1], bias, scale, y + m * N, n0 + g * kGroup, N);
 }
 
-// x rows [0, mb) (mb in 1..11) against group `g`.
-inline void linear_rows(int64_t mb, const uint16_t* x, const uint16_t* pg, const uint16_t* bias, uint16_t* y,
-                        int64_t K, int64_t N, int64_t n0) {
+// x rows [0, mb) (mb in 1..11) against one group.
+template <typename T>
+inline void linear_rows(int64_t mb, const uint16_t* x, const T* pg, const uint16_t* bias, const uint16_t* scale,
+                        uint16_t* y, int64_t K, int64_t N, int64_t n0) {
   switch (mb) {
-    case 1: linear_tile<1, 1>(x, pg, bias, y, K, N, n0); break;
-    case 2: linear_tile<2, 1>(x, pg, bias, y, K, N, n0); break;
-    case 3: linear_tile<3, 1>(x, pg, bias, y, K, N, n0); break;
-    case 4: linear_tile<4, 1>(x, pg, bias, y, K, N, n0); break;
-    case 5: linear_tile<5, 1>(x, pg, bias, y, K, N, n0); break;
-    case 6: linear_tile<6, 1>(x, pg, bias, y, K, N, n0); break;
-    case 7: linear_tile<7, 1>(x, pg, bias, y, K, N, n0); break;
-    case 8: linear_tile<8, 1>(x, pg, bias, y, K, N, n0); break;
-    case 9: linear_tile<9, 1>(x, pg, bias, y, K, N, n0); break;
-    case 10: linear_tile<10, 1>(x, pg, bias, y, K, N, n0); break;
-    default: linear_tile<11, 1>(x, pg, bias, y, K, N, n0); break;
+    case 1: linear_tile<1, 1>(x, pg, bias, scale, y, K, N, n0); break;
+    case 2: linear_tile<2, 1>(x, pg, bias, scale, y, K, N, n0); break;
+    case 3: linear_tile<3, 1>(x, pg, bias, scale, y, K, N, n0); break;
+    case 4: linear_tile<4, 1>(x, pg, bias, scale, y, K, N, n0); break;
+    case 5: linear_tile<5, 1>(x, pg, bias, scale, y, K, N, n0); break;
+    case 6: linear_tile<6, 1>(x, pg, bias, scale, y, K, N, n0); break;
+    case 7: linear_tile<7, 1>(x, pg, bias, scale, y, K, N, n0); break;
+    case 8: linear_tile<8, 1>(x, pg, bias, scale, y, K, N, n0); break;
+    case 9: linear_tile<9, 1>(x, pg, bias, scale, y, K, N, n0); break;
+    case 10: linear_tile<10, 1>(x, pg, bias, scale, y, K, N, n0); break;
+    default: linear_tile<11, 1>(x, pg, bias, scale, y, K, N, n0); break;
   }
 }
 
-// x rows [0, mb) (mb in 1..4) against groups g and g + 1: four chains per row.
-inline void linear_rows_two_groups(int64_t mb, const uint16_t* x, const uint16_t* pg, const uint16_t* bias, uint16_t* y,
-                                   int64_t K, int64_t N, int64_t n0) {
+// x rows [0, mb) (mb in 1..4) against two adjacent groups: four chains per row.
+template <typename T>
+inline void linear_rows_two_groups(int64_t mb, const uint16_t* x, const T* pg, const uint16_t* bias,
+                                   const uint16_t* scale, uint16_t* y, int64_t K, int64_t N, int64_t n0) {
   switch (mb) {
-    case 1: linear_tile<1, 2>(x, pg, bias, y, K, N, n0); break;
-    case 2: linear_tile<2, 2>(x, pg, bias, y, K, N, n0); break;
-    case 3: linear_tile<3, 2>(x, pg, bias, y, K, N, n0); break;
-    default: linear_tile<4, 2>(x, pg, bias, y, K, N, n0); break;
+    case 1: linear_tile<1, 2>(x, pg, bias, scale, y, K, N, n0); break;
+    case 2: linear_tile<2, 2>(x, pg, bias, scale, y, K, N, n0); break;
+    case 3: linear_tile<3, 2>(x, pg, bias, scale, y, K, N, n0); break;
+    default: linear_tile<4, 2>(x, pg, bias, scale, y, K, N, n0); break;
   }
 }
 
@@ -1582,33 +1601,25 @@ inline void for_each_thread_range(int64_t units, const Body& body) {
   }
 }
 
-// The int8 GEMV's split: each thread a contiguous range of the N output rows, in multiples
-// of 48 rows (whole groups of four).
-template <typename Body>
-inline void for_each_thread_rows(int64_t N, const Body& body) {
-  constexpr int64_t kGrain = 48;
-  const int64_t groups = (N + kGrain - 1) / kGrain;
-  for_each_thread_range(groups, [&](int64_t lo, int64_t hi) { body(std::min(N, lo * kGrain), std::min(N, hi * kGrain)); });
-}
-
 // y [M, N] = x [M, K] @ W^T + bias, W packed by pack_bf16_weight (see above). Each thread
 // takes a contiguous range of groups. Few rows (a decode step): one pass, two groups at a
 // time, the weight streamed once. More: the thread's groups in chunks of ~256 KB of weight,
 // and for each chunk every pass of 64 x rows, so the chunk is read from memory once and
 // served from L2 to the passes after the first (reading the weight once per pass instead
 // was 0.7-0.8x oneDNN at 256 rows on the MLP's and the head's shapes).
-void bf16_linear_impl(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
-                      int64_t N) {
+template <typename T>
+void packed_linear_impl(const uint16_t* x, const T* packed, const uint16_t* bias, const uint16_t* scale, uint16_t* y,
+                        int64_t M, int64_t K, int64_t N) {
   const int64_t groups = (N + kGroup - 1) / kGroup, group_stride = (K + 1) / 2 * kPairLine;
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (group_stride * 2));
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (group_stride * static_cast<int64_t>(sizeof(T))));
   for_each_thread_range(groups, [&](int64_t g_lo, int64_t g_hi) {
     if (M <= 4) {
       for (int64_t g = g_lo; g < g_hi; ++g) {
         if (g + 1 < g_hi) {  // two groups at a time: twice the chains in flight
-          linear_rows_two_groups(M, x, packed + g * group_stride, bias, y, K, N, g * kGroup);
+          linear_rows_two_groups(M, x, packed + g * group_stride, bias, scale, y, K, N, g * kGroup);
           ++g;
         } else {
-          linear_rows(M, x, packed + g * group_stride, bias, y, K, N, g * kGroup);
+          linear_rows(M, x, packed + g * group_stride, bias, scale, y, K, N, g * kGroup);
         }
       }
       return;
@@ -1619,98 +1630,30 @@ void bf16_linear_impl(const uint16_t* x, const uint16_t* packed, const uint16_t*
         const int64_t m1 = std::min(M, m0 + kPassRows);
         for (int64_t g = c0; g < c1; ++g)
           for (int64_t m = m0; m < m1; m += kTileRows)
-            linear_rows(std::min(kTileRows, m1 - m), x + m * K, packed + g * group_stride, bias, y + m * N, K, N,
+            linear_rows(std::min(kTileRows, m1 - m), x + m * K, packed + g * group_stride, bias, scale, y + m * N, K, N,
                         g * kGroup);
       }
     }
   });
 }
 
-// ---------------------------------------------------------------------------------------
-// Small-batch int8 weight-only linear: y[M, N] = (x[M, K] @ W[N, K]^T) * scale[N], W int8
-// (the W8A16 layout of engine/quantization: q - 128, one bf16 scale per output row), x and
-// y bf16. The same weight stream as the bf16 GEMV at half the bytes: each 32 weights are
-// widened to float and narrowed to bf16 (exact: |q| <= 128 needs 8 bits of mantissa), then
-// `vdpbf16ps` against x as above, so every product is exact and summed in float32; the
-// row's sum times its scale is rounded to bf16 once, as torch's `_weight_int8pack_mm`
-// computes it (in another summation order: results may differ from it by 1 bf16 ulp).
-// That kernel streamed the bundled model's INT8 LM head at ~17 GB/s here, this one at 26-29.
-inline __m512bh int8x32_to_bf16(const int8_t* w, __mmask32 mask) {
-  const __m256i q = _mm256_maskz_loadu_epi8(mask, w);
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-  return _mm512_cvtne2ps_pbh(hi, lo);  // [lo's 16, hi's 16]: the weights in order
+void bf16_linear_impl(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
+                      int64_t N) {
+  packed_linear_impl(x, packed, bias, nullptr, y, M, K, N);
 }
 
-// Outputs [n0, n0 + R) of x rows [0, MB).
-template <int MB, int R>
-inline void int8_gemv_rows(const uint16_t* __restrict x, const int8_t* __restrict w, const uint16_t* __restrict scale,
-                           uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
-  __m512 acc[MB][R];
-  for (int r = 0; r < R; ++r) {
-    const int8_t* row = w + (n0 + r) * K;
-    __m512 odd[MB];
-    for (int m = 0; m < MB; ++m) acc[m][r] = odd[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + k + 2 * kPrefetchL2Ahead), _MM_HINT_T1);
-      const __m512bh w0 = int8x32_to_bf16(row + k, ~__mmask32{0});
-      const __m512bh w1 = int8x32_to_bf16(row + k + 32, ~__mmask32{0});
-      for (int m = 0; m < MB; ++m) {
-        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_loadu_si512(x + m * K + k), w0);
-        odd[m] = _mm512_dpbf16_ps(odd[m], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
-      }
-    }
-    for (; k < K; k += 32) {  // at most two chunks of 32, the last maybe partial
-      const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1);
-      const __m512bh w0 = int8x32_to_bf16(row + k, mask);
-      for (int m = 0; m < MB; ++m)
-        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), w0);
-    }
-    for (int m = 0; m < MB; ++m) acc[m][r] = _mm512_add_ps(acc[m][r], odd[m]);
-  }
-  float sc[R];
-  for (int r = 0; r < R; ++r) {
-    const uint32_t bits = static_cast<uint32_t>(scale[n0 + r]) << 16;
-    std::memcpy(&sc[r], &bits, sizeof(float));
-  }
-  for (int m = 0; m < MB; ++m) {
-    if constexpr (R == 4) {
-      float s4[4];
-      _mm_storeu_ps(s4, reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
-      for (int r = 0; r < 4; ++r) y[m * N + n0 + r] = bf16_bits(s4[r] * sc[r]);
-    } else {
-      for (int r = 0; r < R; ++r) y[m * N + n0 + r] = bf16_bits(_mm512_reduce_add_ps(acc[m][r]) * sc[r]);
-    }
-  }
+// The int8 weight-only (W8A16) linear: y = (x @ W^T) * scale, W int8 packed by
+// pack_int8_weight in the same pair layout, each 32 weights widened to bf16 as loaded; the
+// same loops and per-output arithmetic (one float32 chain over K's pairs in order, times the
+// row's scale, one rounding), so it is batch-invariant too. At half the bytes of bf16 a
+// decode streams the bundled model's INT8 LM head at ~30 GB/s here (torch's
+// `_weight_int8pack_mm`: ~17); torch's rounds the same sum in another order (results may
+// differ from it by 1 bf16 ulp).
+void int8_linear_impl(const uint16_t* x, const int8_t* packed, const uint16_t* scale, uint16_t* y, int64_t M, int64_t K,
+                      int64_t N) {
+  packed_linear_impl(x, packed, nullptr, scale, y, M, K, N);
 }
 
-template <int R>
-inline void int8_gemv_block(int64_t mb, const uint16_t* x, const int8_t* w, const uint16_t* scale, uint16_t* y,
-                            int64_t K, int64_t N, int64_t n) {
-  switch (mb) {
-    case 1: int8_gemv_rows<1, R>(x, w, scale, y, K, N, n); break;
-    case 2: int8_gemv_rows<2, R>(x, w, scale, y, K, N, n); break;
-    case 3: int8_gemv_rows<3, R>(x, w, scale, y, K, N, n); break;
-    default: int8_gemv_rows<4, R>(x, w, scale, y, K, N, n); break;
-  }
-}
-
-// The bf16 GEMV's thread split (for_each_thread_rows), four W
-// rows at a time, each block of up to four x rows in turn (later blocks read the rows
-// from L1).
-void int8_gemv_impl(const uint16_t* x, const int8_t* w, const uint16_t* scale, uint16_t* y, int64_t M, int64_t K,
-                    int64_t N) {
-  for_each_thread_rows(N, [&](int64_t n_lo, int64_t n_hi) {
-    int64_t n = n_lo;
-    for (; n + 4 <= n_hi; n += 4)
-      for (int64_t m0 = 0; m0 < M; m0 += 4)
-        int8_gemv_block<4>(std::min<int64_t>(4, M - m0), x + m0 * K, w, scale, y + m0 * N, K, N, n);
-    for (; n < n_hi; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += 4)
-        int8_gemv_block<1>(std::min<int64_t>(4, M - m0), x + m0 * K, w, scale, y + m0 * N, K, N, n);
-  });
-}
 #else
 constexpr bool kHaveBf16Gemv = false;
 #endif
@@ -1723,39 +1666,39 @@ bool has_bf16_gemv() { return kHaveBf16Gemv; }
 
 namespace {
 
-// pack_bf16_weight's tensors: the packed groups (see bf16_linear_impl), then a marker of
-// kPackedMarkerElems elements, behind a [N, K] view of the first N x K elements, so a
-// packed weight has the dense one's shape (every shape check and the fused decode call's
-// plumbing stay as they are) and cannot be mistaken for a dense one (whose storage holds
-// exactly N x K elements): is_packed_bf16 checks the storage's size and the marker.
-constexpr int64_t kPackedMarkerElems = 32;
-constexpr uint16_t kPackedMarker = 0xB16B;
+// pack_bf16_weight's and pack_int8_weight's tensors: the packed groups (see
+// bf16_linear_impl), then a marker of kPackedMarkerBytes, behind a [N, K] view of the first
+// N x K elements, so a packed weight has the dense one's shape (every shape check and the
+// fused decode call's plumbing stay as they are) and cannot be mistaken for a dense one
+// (whose storage holds exactly N x K elements): is_packed checks the storage's size and the
+// marker.
+constexpr int64_t kPackedMarkerBytes = 64;
+constexpr uint8_t kPackedMarker = 0xB1;
 
 int64_t packed_elems(int64_t N, int64_t K) { return (N + 31) / 32 * ((K + 1) / 2) * 64; }
 
-bool is_packed_bf16(const torch::Tensor& w) {
-  if (w.dim() != 2 || w.scalar_type() != at::kBFloat16 || !w.is_contiguous() || w.storage_offset() != 0) return false;
-  const int64_t elems = packed_elems(w.size(0), w.size(1));
-  if (static_cast<int64_t>(w.storage().nbytes()) != (elems + kPackedMarkerElems) * 2) return false;
-  const uint16_t* tail = reinterpret_cast<const uint16_t*>(w.storage().data()) + elems;
-  for (int64_t i = 0; i < kPackedMarkerElems; ++i)
+bool is_packed(const torch::Tensor& w, at::ScalarType dtype) {
+  if (w.dim() != 2 || w.scalar_type() != dtype || !w.is_contiguous() || w.storage_offset() != 0) return false;
+  const int64_t bytes = packed_elems(w.size(0), w.size(1)) * static_cast<int64_t>(w.element_size());
+  if (static_cast<int64_t>(w.storage().nbytes()) != bytes + kPackedMarkerBytes) return false;
+  const uint8_t* tail = reinterpret_cast<const uint8_t*>(w.storage().data()) + bytes;
+  for (int64_t i = 0; i < kPackedMarkerBytes; ++i)
     if (tail[i] != kPackedMarker) return false;
   return true;
 }
 
-}  // namespace
+bool is_packed_bf16(const torch::Tensor& w) { return is_packed(w, at::kBFloat16); }
+bool is_packed_int8(const torch::Tensor& w) { return is_packed(w, at::kChar); }
 
-// The bf16 linear kernel's copy of a dense bf16 weight [N, K] (any N, K): its pair layout
-// (bf16_linear_impl), as a tensor of the weight's shape (see is_packed_bf16). Only
-// bf16_gemv, bf16_silu_mlp and bf16_decode_layers read it; it is not a dense weight.
-torch::Tensor pack_bf16_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
-              "pack_bf16_weight: a 2-D bfloat16 CPU weight expected");
+// The pair layout of a dense [N, K] weight of element T (see bf16_linear_impl).
+template <typename T>
+torch::Tensor pack_pairs(const torch::Tensor& weight) {
   const torch::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), Kp = (K + 1) / 2, elems = packed_elems(N, K);
-  torch::Tensor storage = torch::empty({elems + kPackedMarkerElems}, w.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(storage.data_ptr());
+  const int64_t marker_elems = kPackedMarkerBytes / static_cast<int64_t>(sizeof(T));
+  torch::Tensor storage = torch::empty({elems + marker_elems}, w.options());
+  const T* src = reinterpret_cast<const T*>(w.data_ptr());
+  T* dst = reinterpret_cast<T*>(storage.data_ptr());
   const int64_t groups = (N + 31) / 32;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
@@ -1763,11 +1706,30 @@ torch::Tensor pack_bf16_weight(const torch::Tensor& weight) {
         for (int64_t l = 0; l < 32; ++l)
           for (int64_t j = 0; j < 2; ++j) {
             const int64_t n = g * 32 + l, k = 2 * kp + j;
-            dst[((g * Kp + kp) * 32 + l) * 2 + j] = (n < N && k < K) ? src[n * K + k] : 0;
+            dst[((g * Kp + kp) * 32 + l) * 2 + j] = (n < N && k < K) ? src[n * K + k] : T{0};
           }
   });
-  for (int64_t i = 0; i < kPackedMarkerElems; ++i) dst[elems + i] = kPackedMarker;
+  std::memset(dst + elems, kPackedMarker, kPackedMarkerBytes);
   return storage.as_strided({N, K}, {K, 1});
+}
+
+}  // namespace
+
+// The bf16 linear kernel's copy of a dense bf16 weight [N, K] (any N, K): its pair layout
+// (bf16_linear_impl), as a tensor of the weight's shape (see is_packed). Only bf16_gemv,
+// bf16_silu_mlp and bf16_decode_layers read it; it is not a dense weight.
+torch::Tensor pack_bf16_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
+              "pack_bf16_weight: a 2-D bfloat16 CPU weight expected");
+  return pack_pairs<uint16_t>(weight);
+}
+
+// The same for an int8 W8A16 weight [N, K] (int8_linear_impl): read by int8_gemv and
+// bf16_decode_layers only.
+torch::Tensor pack_int8_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.device().is_cpu(),
+              "pack_int8_weight: a 2-D int8 CPU weight expected");
+  return pack_pairs<int8_t>(weight);
 }
 
 // out [M, N] = x [M, K] @ weight^T + bias [N]: x, bias, out bfloat16 and contiguous, weight
@@ -1795,25 +1757,25 @@ void bf16_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Te
 #endif
 }
 
-// out [M, N] = (x [M, K] @ weight [N, K]^T) * scales [N]: x, scales, out bfloat16, weight
-// int8, all contiguous (see int8_gemv_impl).
+// out [M, N] = (x [M, K] @ weight^T) * scales [N]: x, scales, out bfloat16 and contiguous,
+// weight int8 packed by pack_int8_weight (see int8_linear_impl).
 void int8_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                const torch::Tensor& scales) {
   TORCH_CHECK(kHaveBf16Gemv, "int8_gemv: this build has no AVX512-BF16 (the CPU lacks it)");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "int8_gemv: 2-D x, weight and out expected");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kChar &&
-                  scales.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "int8_gemv: bfloat16 x, scales and out and an int8 weight expected");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && scales.is_contiguous() && out.is_contiguous(),
-              "int8_gemv: contiguous tensors expected");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "int8_gemv: 2-D x and out expected");
+  TORCH_CHECK(is_packed_int8(weight), "int8_gemv: an int8 weight packed by pack_int8_weight expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && scales.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "int8_gemv: bfloat16 x, scales and out expected");
+  TORCH_CHECK(x.is_contiguous() && scales.is_contiguous() && out.is_contiguous(), "int8_gemv: contiguous tensors expected");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && scales.numel() == N && out.size(0) == M && out.size(1) == N,
               "int8_gemv: shape mismatch");
 #if defined(__AVX512BF16__)
   if (M == 0 || N == 0) return;
-  int8_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight.data_ptr<int8_t>(),
-                 reinterpret_cast<const uint16_t*>(scales.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), M,
-                 K, N);
+  int8_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight.data_ptr<int8_t>(),
+                   reinterpret_cast<const uint16_t*>(scales.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), M,
+                   K, N);
 #endif
 }
 
@@ -1902,9 +1864,9 @@ namespace {
 // One linear of a fused decode layer (bf16_decode_layers): its weight and how to apply it.
 // kind 0: a bf16 weight [N, K] packed by pack_bf16_weight, through bf16_linear_impl; kind > 0: torch's CPU int4
 // layout (packed uint8 [N, K / 2], scales_and_zeros [K / G, N, 2]) through
-// aten::_weight_int4pack_mm_for_cpu with group size `kind`; kind -1: int8 [N, K] with bf16
-// per-row scales through the int8 GEMV above (as kernels/quant_linear.py runs few-row
-// calls). Bias: an empty tensor for none.
+// aten::_weight_int4pack_mm_for_cpu with group size `kind`; kind -1: int8 [N, K] packed by
+// pack_int8_weight with bf16 per-row scales through int8_linear_impl (as the per-op
+// Int8Linear runs it). Bias: an empty tensor for none.
 struct DecodeLinear {
   const torch::Tensor* weight;
   const torch::Tensor* bias;
@@ -1920,9 +1882,9 @@ struct DecodeLinear {
     if (kind == 0) TORCH_CHECK(is_packed_bf16(*weight), "bf16_decode_layers: ", what, ": a bf16 weight packed by pack_bf16_weight expected");
     if (kind > 0) TORCH_CHECK(weight->scalar_type() == at::kByte, "bf16_decode_layers: ", what, ": packed int4 expected");
     if (kind < 0) {
-      TORCH_CHECK(weight->scalar_type() == at::kChar && scales->scalar_type() == at::kBFloat16 &&
+      TORCH_CHECK(is_packed_int8(*weight) && scales->scalar_type() == at::kBFloat16 &&
                       scales->numel() == out_features(),
-                  "bf16_decode_layers: ", what, ": int8 weight with bf16 row scales expected");
+                  "bf16_decode_layers: ", what, ": int8 weight packed by pack_int8_weight with bf16 row scales expected");
     }
     TORCH_CHECK(bias->numel() == 0 || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
                                        bias->numel() == out_features()),
@@ -1948,7 +1910,7 @@ struct DecodeLinear {
     } else {  // the int8 GEMV, as kernels/quant_linear.py runs few-row calls
       out = torch::empty({x.size(0), out_features()}, x.options());
 #if defined(__AVX512BF16__)
-      int8_gemv_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight->data_ptr<int8_t>(),
+      int8_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight->data_ptr<int8_t>(),
                      reinterpret_cast<const uint16_t*>(scales->data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
                      x.size(0), x.size(1), out_features());
 #endif
@@ -2170,6 +2132,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, release());
   m.def("has_bf16_gemv", &has_bf16_gemv);
   m.def("pack_bf16_weight", &pack_bf16_weight, release());
+  m.def("pack_int8_weight", &pack_int8_weight, release());
   m.def("bf16_gemv", &bf16_gemv, release());
   m.def("int8_gemv", &int8_gemv, release());
   m.def("bf16_silu_mlp", &bf16_silu_mlp, release());

@@ -212,7 +212,7 @@ def test_onednn_packed_gemm_is_not_batch_invariant():
 
 
 @gemv
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 40])
 @pytest.mark.parametrize("n, k", [(97, 576), (1, 64), (4 * 48 + 3, 1536), (53, 100), (7, 31)])
 def test_int8_gemv_equals_float64_reference(rows, n, k):
     """The W8A16 GEMV: exact products of int8 weights (the full range, -128 included) and
@@ -223,7 +223,7 @@ def test_int8_gemv_equals_float64_reference(rows, n, k):
     qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
     qweight[0, 0] = -128
     scales = (torch.rand(n, generator=g) * 0.02 + 1e-3).bfloat16()
-    got = cpu_kernels.int8_linear(x, qweight, scales)
+    got = cpu_kernels.int8_linear(x, cpu_kernels.pack_int8_weight(qweight), scales)
     want = (x.double() @ qweight.double().t()) * scales.double()
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     tol = want.abs() * 2**-8 + 1e-5 * k ** 0.5 * float(want.abs().max())
@@ -231,22 +231,29 @@ def test_int8_gemv_equals_float64_reference(rows, n, k):
 
 
 @gemv
-def test_w8a16_routes_few_rows_to_the_int8_gemv():
-    """kernels/quant_linear.py: up to INT8_GEMV_MAX_ROWS rows run the GEMV (float32 x cast
-    to bf16 and back, the bias added after), more rows torch's kernel."""
-    from kernels.quant_linear import INT8_GEMV_MAX_ROWS, w8a16_linear_cpu
+def test_w8a16_runs_the_int8_kernel_given_its_packed_weight():
+    """kernels/quant_linear.py: with the packed copy every row count runs the C++ int8 kernel
+    (float32 x cast to bf16 and back, the bias added after), a row's bits the same alone as
+    among 9 or 40; without it torch's `_weight_int8pack_mm`; a dense int8 weight is refused
+    by the kernel."""
+    from kernels.quant_linear import w8a16_linear_cpu
 
     g = torch.Generator().manual_seed(3)
     qweight = torch.randint(-128, 128, (64, 128), dtype=torch.int8, generator=g)
     scales = (torch.rand(64, generator=g) * 0.02).bfloat16()
     bias = torch.randn(64, generator=g)
-    few = torch.randn(INT8_GEMV_MAX_ROWS, 128, generator=g)
-    got = w8a16_linear_cpu(few, qweight, scales, bias)
+    packed = cpu_kernels.pack_int8_weight(qweight)
+    x = torch.randn(40, 128, generator=g)
+    got = w8a16_linear_cpu(x, qweight, scales, bias, packed)
     assert got.dtype == torch.float32
-    assert torch.equal(got, cpu_kernels.int8_linear(few.bfloat16(), qweight, scales).float() + bias)
-    many = torch.randn(INT8_GEMV_MAX_ROWS + 1, 128, generator=g)
-    assert torch.equal(w8a16_linear_cpu(many, qweight, scales),
-                       torch._weight_int8pack_mm(many.bfloat16(), qweight, scales).float())
+    assert torch.equal(got, cpu_kernels.int8_linear(x.bfloat16(), packed, scales).float() + bias)
+    alone = torch.cat([w8a16_linear_cpu(x[i : i + 1], qweight, scales, None, packed) for i in range(40)])
+    for rows in (9, 40):
+        assert torch.equal(w8a16_linear_cpu(x[:rows], qweight, scales, None, packed), alone[:rows])
+    assert torch.equal(w8a16_linear_cpu(x, qweight, scales),
+                       torch._weight_int8pack_mm(x.bfloat16(), qweight, scales).float())
+    with pytest.raises(RuntimeError, match="packed by pack_int8_weight"):
+        cpu_kernels.int8_linear(x.bfloat16(), qweight, scales)
 
 
 # Fewer few-row items than twice the threads (a batch-1 decode of a model with 3 KV heads is
