@@ -34,6 +34,27 @@ LOAD_FORMATS = ("auto", "dummy", "dequantize")
 """`--load-format` values."""
 
 
+def json_object_setting(raw: str | dict | None, name: str, keys) -> dict | None:
+    """A setting given as a JSON object (a flag's JSON text, or a dict from the Python API or
+    a config file): the dict, None when absent. Raises ValueError naming `name` for text that
+    is not JSON, a value that is not an object, or keys outside `keys`."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        import json
+
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    unknown = sorted(set(raw) - set(keys))
+    if unknown:
+        raise ValueError(f"{name}: unsupported key(s) {unknown}; supported: {sorted(keys)}")
+    return raw
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model: str | None = None
@@ -229,21 +250,9 @@ class SpeculativeConfig:
     @property
     def ngram(self) -> NgramSpeculation | None:
         """The parsed settings; None when speculation is off. Raises ValueError on a bad value."""
-        raw = self.speculative_config
+        raw = json_object_setting(self.speculative_config, "speculative_config", _SPECULATIVE_KEYS)
         if raw is None:
             return None
-        if isinstance(raw, str):
-            import json
-
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("speculative_config must be a JSON object")
-        unknown = sorted(set(raw) - _SPECULATIVE_KEYS)
-        if unknown:
-            raise ValueError(f"speculative_config: unsupported key(s) {unknown}; supported: {sorted(_SPECULATIVE_KEYS)}")
         method = raw.get("method", "ngram")
         if method != "ngram":
             raise ValueError(f"speculative_config: method {method!r} is not supported (only 'ngram', prompt lookup)")

@@ -26,7 +26,6 @@ and an empty payload).
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -64,18 +63,11 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, raw: str | dict | None) -> "KVEventsConfig | None":
         """The parsed settings; None when absent. Raises ValueError naming a bad key or value."""
+        from engine.config import json_object_setting
+
+        raw = json_object_setting(raw, "kv_events_config", _KEYS)
         if raw is None:
             return None
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("kv_events_config must be a JSON object")
-        unknown = sorted(set(raw) - set(_KEYS))
-        if unknown:
-            raise ValueError(f"kv_events_config: unsupported key(s) {unknown}; supported: {sorted(_KEYS)}")
         config = cls(**raw)
         if not isinstance(config.enable_kv_cache_events, bool):
             raise ValueError("kv_events_config: enable_kv_cache_events must be true or false")

@@ -138,30 +138,36 @@ def prepack_linears(model: nn.Module) -> tuple[int, int]:
     streams the largest matrix of a small model every step; docs/BENCHMARKS.md), so such a
     head is packed and the dense table kept: one extra copy of the vocabulary matrix.
 
-    Returns how many linears were packed (either way; none off the CPU: both copies are
+    INT8 weight-only linears (`Int8Linear`) on such a CPU get the C++ int8 kernel's packed copy
+    (`kernel_weight`: the same loops, batch-invariant) beside their int8 weight, which
+    tensor-parallel sharding and the references read; they are not counted below.
+
+    Returns how many float linears were packed (either way; none off the CPU: both copies are
     CPU-only) and how many of those keep a dense weight because it is shared."""
+    from engine.quantization.linears import Int8Linear
+
     # By storage, not by Parameter: tensor parallelism re-wraps the tied table's data.
     shared = {
         param.untyped_storage().data_ptr() for module in model.modules() if not isinstance(module, Linear)
         for param in module.parameters(recurse=False)
     }
-    from engine.quantization.linears import Int8Linear
-
     packed = kept_shared = 0
     kernel = None  # whether the C++ bf16 kernel runs here: asked once, and only for a bf16 model
     for module in model.modules():
         if isinstance(module, Int8Linear) and module.qweight.device.type == "cpu":
             # W8A16 on CPU: the C++ int8 kernel at every row count (its packed copy beside the
             # int8 weight, which tensor-parallel sharding and the references read).
-            kernel = gemv_enabled() if kernel is None else kernel
+            if kernel is None:
+                kernel = gemv_enabled()
             if kernel:
                 module.kernel_weight = pack_int8_weight(module.qweight)
             continue
         if not isinstance(module, Linear) or module.weight is None:
             continue
-        if gemv_takes(module.weight, module.bias):
-            kernel = gemv_enabled() if kernel is None else kernel
-        if kernel and gemv_takes(module.weight, module.bias):
+        takes = gemv_takes(module.weight, module.bias)
+        if takes and kernel is None:
+            kernel = gemv_enabled()
+        if takes and kernel:
             module.kernel_weight = pack_bf16_weight(module.weight)
         else:
             module.packed = pack_weight(module.weight)

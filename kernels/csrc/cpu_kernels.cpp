@@ -1098,7 +1098,9 @@ void attention_invariant(const c10::BFloat16* q, const c10::BFloat16* kc, const 
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_parts)));
 #pragma omp parallel num_threads(threads)
   {
-    PartScratch<HD> scratch;
+    // Per thread and kept across calls (the pool's threads persist): a step's every layer
+    // would otherwise allocate the four buffers afresh on each thread.
+    thread_local PartScratch<HD> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_parts; ++i) {
       const PartWork& pt = parts[i];
