@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.quantization import LM_HEAD_QUANTIZATIONS
+from engine.settings import json_object_setting
 from engine.quantization import METHODS as QUANTIZATION_METHODS
 
 _DTYPES = {
@@ -32,27 +33,6 @@ KERNEL_BACKENDS = ("auto", "cpu", "torch", "triton")
 """`--kernel-backend` values."""
 LOAD_FORMATS = ("auto", "dummy", "dequantize")
 """`--load-format` values."""
-
-
-def json_object_setting(raw: str | dict | None, name: str, keys) -> dict | None:
-    """A setting given as a JSON object (a flag's JSON text, or a dict from the Python API or
-    a config file): the dict, None when absent. Raises ValueError naming `name` for text that
-    is not JSON, a value that is not an object, or keys outside `keys`."""
-    if raw is None:
-        return None
-    if isinstance(raw, str):
-        import json
-
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{name} must be a JSON object")
-    unknown = sorted(set(raw) - set(keys))
-    if unknown:
-        raise ValueError(f"{name}: unsupported key(s) {unknown}; supported: {sorted(keys)}")
-    return raw
 
 
 @dataclass(slots=True)

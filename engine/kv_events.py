@@ -34,6 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from engine.settings import json_object_setting
+
 logger = logging.getLogger(__name__)
 
 _KEYS = ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
@@ -63,8 +65,6 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, raw: str | dict | None) -> "KVEventsConfig | None":
         """The parsed settings; None when absent. Raises ValueError naming a bad key or value."""
-        from engine.config import json_object_setting
-
         raw = json_object_setting(raw, "kv_events_config", _KEYS)
         if raw is None:
             return None

@@ -12,8 +12,8 @@ with the reason, and the engine runs the torch reference ops and logs that it do
 The bf16 linear kernel (`bf16_linear` on weights packed by `pack_bf16_weight`, AVX512-BF16
 CPUs only: `bf16_gemv_available`) is routed by engine/models/llama.py's `Linear`, not by
 KernelOps: every call of a bf16 linear, whatever the kernel backend, as the oneDNN path
-otherwise. The int8 GEMV (`int8_linear`) is routed by kernels/quant_linear.py for few-row
-W8A16 calls.
+otherwise. Its int8 form (`int8_linear` on weights packed by `pack_int8_weight`) runs every
+W8A16 call of an `Int8Linear` holding the packed copy (kernels/quant_linear.py).
 
 Attention routing (`paged_attention`):
 - bf16 on AVX512-BF16 CPUs (head dims 64/128/256): every chunk in the C++ kernel, which
