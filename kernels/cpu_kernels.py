@@ -171,7 +171,7 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     (csrc/cpu_kernels.cpp `bf16_linear_impl`), `packed` = `pack_bf16_weight(weight)`. One
     kernel at every row count: each output is one float32 chain of vdpbf16ps pair products
     over K in order, the bias added, rounded to bf16 once, so a row's result does not depend
-    on the other rows of the call (batch invariance); 0.88-1.04x oneDNN's packed GEMM on
+    on the other rows of the call (batch invariance); 0.87-1.06x oneDNN's packed GEMM on
     prefill-sized calls and a weight stream at decode (docs/BENCHMARKS.md). Only where
     `bf16_gemv_available()`."""
     return _rowwise(lambda out, rows: load().bf16_gemv(out, rows, packed, bias), x, packed.shape[0])

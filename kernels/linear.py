@@ -10,7 +10,7 @@ measures both paths per call on the default model's shapes (figures: docs/BENCHM
 bf16 on a CPU with AVX512-BF16 (`gemv_enabled`), the engine runs bf16 linears through the
 C++ kernel instead (`cpu_kernels.pack_bf16_weight` + `bf16_linear`, set up by
 `engine/models/llama.py` `prepack_linears`): one kernel at every row count, batch-invariant,
-0.88-1.04x oneDNN's packed GEMM on prefill-sized calls and 1.3-1.8x its GEMV at decode.
+0.87-1.06x oneDNN's packed GEMM on prefill-sized calls and 1.15-1.76x its GEMV at decode.
 `PAGODA_CPU_GEMV=0` gives them this module's oneDNN path (not batch-invariant; for A/B runs).
 Where the CPU lacks AVX512-BF16 the oneDNN path runs (the engine logs it).
 

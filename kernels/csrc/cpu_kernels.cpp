@@ -1443,7 +1443,7 @@ namespace {
 // bf16 linear: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), one kernel for every row count, so
 // a row's outputs are the same bits however many rows share the call (batch invariance:
 // docs/ARCHITECTURE.md, "Same request, same tokens") at about oneDNN's speed: it runs at
-// 0.88-1.04x oneDNN's packed GEMM on prefill-sized calls and 1.3-1.8x its GEMV at decode
+// 0.87-1.06x oneDNN's packed GEMM on prefill-sized calls and 1.15-1.76x its GEMV at decode
 // (`python -m loadtest.bench_linear`, docs/BENCHMARKS.md).
 //
 // The weight is packed once (`pack_bf16_weight`) into vdpbf16ps's pair layout, in groups
