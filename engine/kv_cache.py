@@ -1,4 +1,6 @@
-"""The paged KV cache: per layer, K and V tensors of [num_blocks, block_size, kv_heads, head_dim]."""
+"""The paged KV cache: per layer, K and V tensors of [num_blocks, block_size, kv_heads, head_dim]
+in the compute dtype, or, quantized (`--kv-cache-dtype int8|fp8`), of [.., head_dim + 2]
+one-byte codes with each row's bf16 scale after them (kernels/kv_quant.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.llama import ModelArgs
+from kernels import kv_quant
 
 GiB = 1 << 30
 _DEFAULT_CPU_BUDGET_GIB = 2.0
@@ -19,17 +22,30 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    """The cache tensors' element type: the compute dtype, or int8 / uint8 (FP8 bits) when quantized."""
     block_size: int
 
     @classmethod
-    def from_model(cls, args: ModelArgs, dtype: torch.dtype, block_size: int) -> "KVCacheSpec":
-        return cls(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype, block_size)
+    def from_model(cls, args: ModelArgs, dtype: torch.dtype, block_size: int,
+                   kv_cache_dtype: str = "auto") -> "KVCacheSpec":
+        return cls(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
+                   kv_quant.storage_dtype(kv_cache_dtype, dtype), block_size)
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in (torch.int8, torch.uint8)
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (token, KV head) row: head_dim, or head_dim codes + the scale's 2 bytes."""
+        return kv_quant.row_width(self.head_dim, self.quantized)
 
     @property
     def bytes_per_token(self) -> int:
-        # 2 (K and V) x layers x kv_heads x head_dim x bytes per element. With GQA this is
-        # smaller than 2 x layers x hidden_size x bytes by the query/KV head ratio.
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        # 2 (K and V) x layers x kv_heads x head_dim x bytes per element (+ a quantized row's
+        # 2-byte scale). With GQA this is smaller than 2 x layers x hidden_size x bytes by the
+        # query/KV head ratio.
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * self.dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -37,6 +53,12 @@ class KVCacheSpec:
 
     def num_blocks_for_budget(self, budget_bytes: float) -> int:
         return int(budget_bytes // self.bytes_per_block)
+
+    def arithmetic(self) -> str:
+        """How bytes_per_token comes about, for the start-up log."""
+        head = (f"({self.head_dim} x 1 byte + a {kv_quant.SCALE_BYTES}-byte scale)" if self.quantized
+                else f"{self.head_dim} x {self.dtype.itemsize} bytes")
+        return f"2 x {self.num_layers} layers x {self.num_kv_heads} KV heads x {head}"
 
 
 def kv_cache_budget_bytes(kv_cache_memory_gib: float | None, device: torch.device) -> float:
@@ -49,7 +71,7 @@ def kv_cache_budget_bytes(kv_cache_memory_gib: float | None, device: torch.devic
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
     return [
         (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
         for _ in range(spec.num_layers)

@@ -76,7 +76,8 @@ class Worker:
             for module in self.model.modules():
                 if isinstance(module, (Int8Linear, Int4Linear)):
                     module.invariant = True
-        spec = KVCacheSpec.from_model(self.args, self.dtype, config.cache.block_size)
+        spec = KVCacheSpec.from_model(self.args, self.dtype, config.cache.block_size, config.cache.kv_cache_dtype)
+        _check_kv_cache_dtype(spec, config.cache.kv_cache_dtype, self.ops.backend)
         self.kv_spec = self.layout.kv_cache_spec(spec) if self.layout is not None else spec  # this rank's KV heads
         self.num_blocks = self._num_kv_blocks(snapshot, log)
         # One block more than the block manager hands out: the pad block, where the padding
@@ -179,9 +180,9 @@ class Worker:
             "lm_head": self._lm_head_fact(),
             "kernel_backend": self.ops.backend,
             "kv_cache": (
-                f"{spec.bytes_per_token} bytes/token (2 x {spec.num_layers} layers x {spec.num_kv_heads} KV heads x "
-                f"{spec.head_dim} x {spec.dtype.itemsize} bytes), {self.num_blocks} blocks x {cc.block_size} tokens = "
-                f"{self.num_blocks * cc.block_size} tokens ({self.num_blocks * spec.bytes_per_block / 2**30:.2f} GiB)"
+                f"{spec.bytes_per_token} bytes/token ({spec.arithmetic()}), {self.num_blocks} blocks x "
+                f"{cc.block_size} tokens = {self.num_blocks * cc.block_size} tokens "
+                f"({self.num_blocks * spec.bytes_per_block / 2**30:.2f} GiB)" + self._kv_quant_fact()
             ),
             "max_model_len": str(self.max_model_len),
         }
@@ -206,6 +207,20 @@ class Worker:
                      "int4 or int8 linears on an AVX512-BF16 CPU, in one process)"
             )
         return facts
+
+    def _kv_quant_fact(self) -> str:
+        """What reads a quantized cache: the kernels in place, or the reference (slower: logged)."""
+        kind = self.config.cache.kv_cache_dtype
+        if kind == "auto":
+            return ""
+        if self.ops.backend == "cpu":
+            from kernels import cpu_kernels
+
+            if kind == "int8" and cpu_kernels.int8_cache_runs(self.dtype, self.args.head_dim):
+                return "; int8 rows read in place by the C++ attention (its invariant route)"
+            return (f"; {kind} rows through the torch reference attention, dequantized per step (slower: the C++ "
+                    f"kernel reads int8 with bf16 queries at head dim 64/128/256 on AVX512-BF16 only)")
+        return f"; {kind} rows read in place by the {self.ops.backend} attention"
 
     def _batch_invariant_fact(self) -> str:
         """Whether a request's tokens are independent of the rest of the step (the start-up log says which mode is on)."""
@@ -365,6 +380,16 @@ def _architecture(model_path: Path) -> str:
     config = load_hf_config(model_path)
     names = getattr(config, "architectures", None) or [getattr(config, "model_type", "unknown")]
     return ",".join(names)
+
+
+def _check_kv_cache_dtype(spec: KVCacheSpec, kv_cache_dtype: str, backend: str) -> None:
+    """Refuse a quantized KV cache this process cannot hold: FP8 without a kernel that
+    writes E4M3 (the C++ CPU kernels have none), an odd head dim (the row's 2-byte scale)."""
+    if kv_cache_dtype == "fp8" and backend == "cpu":
+        raise ValueError("--kv-cache-dtype fp8 runs on CUDA (Triton) or the torch backend; the C++ CPU kernels "
+                         "read int8 KV caches: use --kv-cache-dtype int8 on CPU")
+    if spec.quantized and spec.head_dim % 2:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} needs an even head_dim, the model has {spec.head_dim}")
 
 
 def _max_model_len(requested: int | None, args: ModelArgs) -> int:

@@ -46,6 +46,8 @@ from types import ModuleType
 
 import torch
 
+from kernels import kv_quant, reference
+
 logger = logging.getLogger("pagoda.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
@@ -222,7 +224,8 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
     post-attention norm; gate_up and down as (weight, bias, scales), an empty tensor for
     a missing bias or scales. `kinds`: each layer's 4 linears: 0 a bf16 weight packed by
     `pack_bf16_weight`, G > 0 torch's CPU int4 layout with group size G, -1 int8 with bf16 row scales.
-    `kv_caches`: key, value per layer; `windows`: each layer's sliding window (0: none).
+    `kv_caches`: key, value per layer, bf16 or int8 (kernels/kv_quant.py: always read on the
+    invariant route); `windows`: each layer's sliding window (0: none).
     Only where `bf16_gemv_available()` and `few_rows_q_chunk` is not None for the head
     dim (engine/models/llama.py `FusedDecodeLayers` checks both).
 
@@ -231,7 +234,8 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
     with no add computes it; with `lm_head` [vocab, hidden] (bf16, packed, no bias), their
     logits instead: float32 [R, vocab], each the bf16 the head's kernel rounds it to (as
     `bf16_linear(hidden, lm_head).float()`). `invariant`: attention on `paged_attention`'s
-    batch-invariant route (as the per-op forward with the same setting)."""
+    batch-invariant route (as the per-op forward with the same setting; an int8 cache always)."""
+    invariant = invariant or kv_caches[0].dtype == torch.int8
     q_chunk = INVARIANT_Q_CHUNK if invariant else _few_rows_per_item(num_heads, num_kv_heads)
     return load().bf16_decode_layers(input_ids, embedding, layer_tensors, kinds, kv_caches, windows, cos, sin,
                                      positions, slot_mapping, block_tables, seq_lens, query_start_loc, num_heads,
@@ -268,6 +272,11 @@ def _rowwise(kernel, x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """K/V into their cache slots; an int8 cache's rows quantized as `kv_quant.quantize` does
+    (bit for bit), an FP8 cache's through the reference (no CPU kernel writes E4M3)."""
+    if key_cache.dtype == torch.uint8:
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
     load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -287,12 +296,19 @@ def paged_attention(
     """The reference op's semantics (kernels/reference.py), routed as the module docstring says.
     bf16 with `invariant` (batch invariance: the engine's default here): every chunk on the
     batch-invariant route, so a row's output does not depend on the step's other rows, its
-    chunk's length or which of its keys were cached."""
+    chunk's length or which of its keys were cached. An int8 cache (kernels/kv_quant.py) is
+    read in place on that route whatever `invariant` says (`int8_cache_runs`); elsewhere
+    (float32 queries, no AVX512-BF16) through the reference, which dequantizes what it gathers."""
     query = query.contiguous()
     if out is None:
         out = torch.empty_like(query)
     window = int(sliding_window or 0)
     few_rows = few_rows_q_chunk(query, key_cache.shape[2])
+    if key_cache.dtype != query.dtype and kv_quant.is_quantized(key_cache):
+        if not (few_rows and key_cache.dtype == torch.int8):
+            return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                             scale, out, sliding_window=sliding_window)
+        invariant = True
     if few_rows and invariant:
         load().paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                                window, INVARIANT_Q_CHUNK, 0, FEW_ROWS, 0, KEY_PART)
@@ -311,6 +327,12 @@ def paged_attention(
             if b - a > skip_over:
                 _attend_long_chunk(out, query, key_cache, value_cache, block_tables[i], lens[i], a, b, scale)
     return out
+
+
+def int8_cache_runs(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the C++ kernel reads an int8 KV cache in place for queries of this dtype and
+    head dim (its bf16 invariant route); elsewhere `paged_attention` runs the reference."""
+    return blocked_attention_runs(dtype, head_dim)
 
 
 def blocked_attention_runs(dtype: torch.dtype, head_dim: int) -> bool:

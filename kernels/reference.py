@@ -1,7 +1,8 @@
 """Torch reference ops: the semantics every Triton kernel is tested against, and the CPU path.
 
 Shapes (per layer):
-  key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], or a quantized
+                          cache's [..., head_dim + 2] int8/uint8 rows (kernels/kv_quant.py)
   block_tables:           [num_seqs, max_blocks_per_seq] int32, padded with 0
   seq_lens:               [num_seqs] int32, tokens in the cache after this step's writes
   query_start_loc:        [num_seqs + 1] int32, prefix sums of the query lengths
@@ -16,6 +17,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_quant
+
 
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -24,7 +27,10 @@ def reshape_and_cache(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset
 ) -> None:
-    """Scatter this step's K/V into their cache slots."""
+    """Scatter this step's K/V into their cache slots (quantized first where the cache is)."""
+    if kv_quant.is_quantized(key_cache):
+        kind = kv_quant.kind_of(key_cache)
+        key, value = kv_quant.quantize(key, kind), kv_quant.quantize(value, kind)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = key
     value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = value
@@ -128,6 +134,11 @@ def _plan_for(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_lo
     return plan
 
 
+def _values(rows: torch.Tensor) -> torch.Tensor:
+    """Gathered cache rows as float32 values: widened, or a quantized cache's dequantized."""
+    return kv_quant.dequantize(rows) if kv_quant.is_quantized(rows) else rows.float()
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -147,7 +158,8 @@ def paged_attention(
     `sliding_window` W to p - W < k <= p only (as Hugging Face's sliding window). Decodes
     (q_len == 1) and prefill chunks (q_len > 1, possibly after cached tokens) are the
     same formula; the reference batches the decodes and loops over the rest. Scores and
-    softmax run in float32 whatever the input dtype.
+    softmax run in float32 whatever the input dtype; a quantized cache's gathered rows are
+    dequantized to float32 (kernels/kv_quant.py).
 
     The math is torch's `scaled_dot_product_attention` (its fused CPU kernel reads the
     gathered K/V through strides: 4-7x faster than explicit matmul + softmax at decode
@@ -163,7 +175,8 @@ def paged_attention(
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     plan = _plan_for(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
     starts, lens = plan.starts, plan.lens
-    kv_row = num_kv_heads * head_dim
+    width = key_cache.shape[3]  # head_dim, or a quantized row's codes and scale
+    kv_row = num_kv_heads * width
 
     if plan.decode_b:
         b, max_len = plan.decode_b, plan.decode_max_len
@@ -174,8 +187,8 @@ def paged_attention(
         else:
             k = key_cache.view(-1, kv_row).index_select(0, plan.decode_slots)
             v = value_cache.view(-1, kv_row).index_select(0, plan.decode_slots)
-        k = k.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
-        v = v.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
+        k = _values(k.view(b, max_len, num_kv_heads, width)).transpose(1, 2)
+        v = _values(v.view(b, max_len, num_kv_heads, width)).transpose(1, 2)
         # The `group` query heads sharing a KV head are that head's query rows: [b, kv, g, d].
         in_order = plan.decode_all and num_tokens == b  # decode row i is query token i
         if in_order:
@@ -201,8 +214,8 @@ def paged_attention(
         table = block_tables[i, first_block:num_blocks].long()
         skip = first - first_block * block_size  # keys of the first block before `first`
         end = ctx - first_block * block_size
-        k = key_cache[table].view(-1, num_kv_heads, head_dim)[skip:end].transpose(0, 1).float()  # [kv, keys, d]
-        v = value_cache[table].view(-1, num_kv_heads, head_dim)[skip:end].transpose(0, 1).float()
+        k = _values(key_cache[table].view(-1, num_kv_heads, width)[skip:end]).transpose(0, 1)  # [kv, keys, d]
+        v = _values(value_cache[table].view(-1, num_kv_heads, width)[skip:end]).transpose(0, 1)
         q = query[starts[i] : starts[i + 1]].transpose(0, 1).float()  # [heads, q_len, d]
         if q_len == ctx and sliding_window is None:
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)

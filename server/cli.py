@@ -19,7 +19,7 @@ from typing import Any
 
 _CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 _ENGINE_KEYS = (
-    "dtype", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
+    "dtype", "max_model_len", "block_size", "kv_cache_memory", "kv_cache_dtype", "max_num_seqs",
     "max_num_batched_tokens", "quantization", "kernel_backend", "seed", "enable_prefix_caching",
     "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "max_cuda_graph_batch_size", "load_format",
     "lm_head_quantization",
@@ -42,6 +42,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=float, default=None)
+    from kernels.kv_quant import KV_CACHE_DTYPES
+
+    parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     from engine.config import SCHEDULING_POLICIES

@@ -340,7 +340,7 @@ class OpenAIServing:
         engine.set_grammar_compile_hook(metrics.on_grammar_compiled)
         metrics.set_engine_info(engine.facts)
         cache = engine.config.cache
-        metrics.set_cache_config(cache.block_size, engine.num_kv_blocks, "auto",  # KV in the compute dtype
+        metrics.set_cache_config(cache.block_size, engine.num_kv_blocks, cache.kv_cache_dtype,  # vLLM's label values
                                  cache.enable_prefix_caching)
 
     def check_model(self, model: str | None) -> None:

@@ -401,9 +401,9 @@ class FusedDecodeLayers:
 
     def runs(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: KernelOps) -> bool:
         """Whether this step's layers go through the C++ call: a few rows (tokens) on the C++
-        kernel backend, over bf16 KV caches."""
+        kernel backend, over bf16 or int8 (`--kv-cache-dtype int8`) KV caches."""
         return (ops.backend == "cpu" and 0 < input_ids.shape[0] <= self.max_rows
-                and kv_caches[0][0].dtype == torch.bfloat16)
+                and kv_caches[0][0].dtype in (torch.bfloat16, torch.int8))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,

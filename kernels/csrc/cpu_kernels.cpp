@@ -46,6 +46,14 @@ inline uint16_t bf16_bits(float x) {
   return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
 }
 
+// bf16 bits as a float (exact).
+inline float bf16_to_float_bits(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // Store x as T at dst[i].
 inline void store(float* dst, int64_t i, float x) { dst[i] = x; }
 inline void store(c10::BFloat16* dst, int64_t i, float x) { reinterpret_cast<uint16_t*>(dst)[i] = bf16_bits(x); }
@@ -881,10 +889,33 @@ constexpr int64_t kTransposeRows = 8;
 template <int64_t HD>
 struct PartScratch {
   std::vector<float> scores;     // [rows][stride]: scores, then e
-  std::vector<uint16_t> weights; // [rows][stride]: e rounded to bf16
+  std::vector<uint16_t> weights; // [rows][stride]: e rounded to bf16 (an int8 cache: e x the value's scale)
   std::vector<uint32_t> keys;    // [HD/2][16]: one group of keys, transposed
   std::vector<uint32_t> values;  // [HD/16][pairs][16]
+  std::vector<uint16_t> widened; // an int8 cache: [16][HD], one group's keys widened to bf16
+  std::vector<float> value_scales;  // an int8 cache: [stride], each key's value scale
 };
+
+// A cache row's geometry on the invariant route, in the uint16 units KeyCursor walks: a bf16
+// cache's row is HD values; an int8 cache's (`--kv-cache-dtype int8`, kernels/kv_quant.py)
+// is HD one-byte codes and the row's scale, a bf16, in its last two bytes (HD/2 + 1 units).
+template <int64_t HD, bool Q8>
+struct CacheRow {
+  static constexpr int64_t units = Q8 ? HD / 2 + 1 : HD;
+  static constexpr int64_t lines = (2 * units + 63) / 64;  // 64-byte lines from its start (2-byte aligned)
+};
+
+// An int8 row's scale (the bf16 after its HD codes) as a float.
+template <int64_t HD>
+inline float row_scale(const uint16_t* row) {
+  return bf16_to_float_bits(row[HD / 2]);
+}
+
+// 16 int8 codes widened to bf16 bits (exact: |q| <= 127 needs 7 bits of mantissa).
+inline __m256i int8x16_to_bf16_bits(const int8_t* p) {
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return (__m256i)_mm512_cvtneps_pbh(f);
+}
 
 // sum16's tree, on 16 vectors whose lanes are keys: out = sum over j of L[j], added in the
 // order sum16 adds the 16 lanes of one key's vector (its unpack and shuffle stages, worked
@@ -931,47 +962,109 @@ inline void pair_values(const uint32_t* const* w, const uint32_t* vt, int64_t pa
   for (int r = 0; r < RT; ++r) done(r0 + r, acc[r]);
 }
 
-template <int64_t HD>
-void attend_part_pairs_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
+// An int8 cache (Q8): each group's 16 key rows are widened to bf16 once (exact) and take
+// the bf16 path's arithmetic, the score then times the key's scale: (dot x scale) x k_scale,
+// the same bits on the decode and the transposed path; a value's scale goes into its weight
+// (e x v_scale, rounded to bf16 as e alone would be), the sum l stays over e: the value sums
+// are then sum(bf16(e v_scale) x code), the codes widened exactly. No dequantized copy of the
+// cache is made: a group's 16 widened keys and the part's interleaved values are the scratch
+// the bf16 path prepares anyway.
+template <int64_t HD, bool Q8>
+void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const uint16_t* vb, const int32_t* table,
                             int64_t ctx, int64_t q_len, int64_t i0, int64_t i1, int64_t q_start, int64_t kvh, int64_t H,
                             int64_t Hkv, int64_t BS, float scale, int64_t window, int64_t key_lo, int64_t key_hi,
                             float* partial, PartScratch<HD>& scratch) {
   static_assert(HD % 32 == 0, "head dim: a multiple of 32");
   constexpr int64_t NV = HD / 16, NP = HD / 2;
-  constexpr int64_t kLines = HD * 2 / 64;
+  constexpr int64_t kUnits = CacheRow<HD, Q8>::units, kLines = CacheRow<HD, Q8>::lines;
   const int64_t g = H / Hkv, rows = (i1 - i0) * g, first_pos = ctx - q_len;
   const int64_t n = key_hi - key_lo, groups = (n + 15) / 16, stride = groups * 16, pairs = stride / 2;
   scratch.scores.resize(rows * stride);
   scratch.weights.resize(rows * stride);
   scratch.keys.resize(NP * 16);
   scratch.values.resize(NV * pairs * 16);
+  if constexpr (Q8) {
+    scratch.widened.resize(16 * HD);
+    scratch.value_scales.resize(stride);
+  }
   float* s = scratch.scores.data();
-  const int64_t row_stride = Hkv * HD;
+  const int64_t row_stride = Hkv * kUnits, head_offset = kvh * kUnits;
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);
-  const uint16_t* kb = reinterpret_cast<const uint16_t*>(kc);
-  const uint16_t* vb = reinterpret_cast<const uint16_t*>(vc);
-  prefetch_key_rows(kb, table, BS, row_stride, kvh * HD, key_lo, n, kLines);
+  prefetch_key_rows(kb, table, BS, row_stride, head_offset, key_lo, n, kLines);
   const __m512 vscale = _mm512_set1_ps(scale);
   auto q_row = [&](int64_t r) { return qb + item_row(q_start, i0, r, g, H, kvh) * HD; };
-  KeyCursor cursor(kb, table, BS, row_stride, kvh * HD, key_lo, n);
+  KeyCursor cursor(kb, table, BS, row_stride, head_offset, key_lo, n);
   const uint16_t* kp[16];  // slots past the part's last key repeat it (their scores are never used)
   uint32_t* kt = scratch.keys.data();
   for (int64_t gi = 0; gi < groups; ++gi) {
     cursor.take(kp, 16);
     for (int64_t t = 0; t < 16; ++t)
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(vb + (kp[t] - kb) + 32 * c), _MM_HINT_T1);
+    __m512 key_scales;
+    if constexpr (Q8) {  // the group's codes widened to bf16 rows, their scales in 16 lanes
+      alignas(64) float ks[16];
+      uint16_t* wide = scratch.widened.data();
+      for (int64_t t = 0; t < 16; ++t) {
+        const int8_t* codes = reinterpret_cast<const int8_t*>(kp[t]);
+        for (int64_t c = 0; c < HD / 16; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + t * HD + 16 * c), int8x16_to_bf16_bits(codes + 16 * c));
+        ks[t] = row_scale<HD>(kp[t]);
+        kp[t] = wide + t * HD;
+      }
+      key_scales = _mm512_load_ps(ks);
+    }
     if (rows < kTransposeRows) {  // a decode: each row's dot products, reduced by sum16
       score_16_keys<HD>(q_row, rows, kp, s + gi * 16, stride, vscale);
-      continue;
+    } else {
+      // Many rows: the group's keys transposed once, the rows' scores with the keys in the lanes.
+      for (int64_t t = 0; t < 16; ++t) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(kp[t]);
+        for (int64_t p = 0; p < NP; ++p) kt[p * 16 + t] = src[p];
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        _mm512_storeu_ps(s + r * stride + gi * 16,
+                         transposed_scores<HD>(reinterpret_cast<const uint32_t*>(q_row(r)), kt, vscale));
     }
-    // Many rows: the group's keys transposed once, the rows' scores with the keys in the lanes.
-    for (int64_t t = 0; t < 16; ++t) {
-      const uint32_t* src = reinterpret_cast<const uint32_t*>(kp[t]);
-      for (int64_t p = 0; p < NP; ++p) kt[p * 16 + t] = src[p];
+    if constexpr (Q8) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = s + r * stride + gi * 16;
+        _mm512_storeu_ps(sr, _mm512_mul_ps(_mm512_loadu_ps(sr), key_scales));
+      }
     }
-    for (int64_t r = 0; r < rows; ++r)
-      _mm512_storeu_ps(s + r * stride + gi * 16,
-                       transposed_scores<HD>(reinterpret_cast<const uint32_t*>(q_row(r)), kt, vscale));
+  }
+  // V interleaved by key pairs (a pair past the part's last key: zeros); an int8 cache's
+  // codes widened to bf16, each key's scale kept for its weight.
+  {
+    KeyCursor cursor(vb, table, BS, row_stride, head_offset, key_lo, n);
+    uint32_t* vt = scratch.values.data();
+    float* value_scales = Q8 ? scratch.value_scales.data() : nullptr;
+    const __m256i zero = _mm256_setzero_si256();
+    auto dims = [&](const uint16_t* row, int64_t c) {
+      if (!row) return zero;
+      if constexpr (Q8) return int8x16_to_bf16_bits(reinterpret_cast<const int8_t*>(row) + 16 * c);
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
+    };
+    for (int64_t j = 0; j < pairs; ++j) {
+      const uint16_t* v0 = nullptr;
+      const uint16_t* v1 = nullptr;
+      if (2 * j < n) {
+        v0 = cursor.row();
+        if (2 * j + 1 < n) cursor.next();
+      }
+      if (2 * j + 1 < n) {
+        v1 = cursor.row();
+        if (2 * j + 2 < n) cursor.next();
+      }
+      if constexpr (Q8) {
+        value_scales[2 * j] = v0 ? row_scale<HD>(v0) : 0.f;
+        value_scales[2 * j + 1] = v1 ? row_scale<HD>(v1) : 0.f;
+      }
+      for (int64_t c = 0; c < NV; ++c) {
+        const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(dims(v0, c)),
+                                             _mm512_slli_epi32(_mm512_cvtepu16_epi32(dims(v1, c)), 16));
+        _mm512_storeu_si512(vt + (c * pairs + j) * 16, pair);
+      }
+    }
   }
   // Per row: max, e (0 outside the row's keys), its sum; e rounded to bf16 for the values.
   const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
@@ -999,34 +1092,12 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, con
       const __m512 e = _mm512_maskz_mov_ps(
           in, exp2_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, sr + k0), vm), log2e)));
       sum = _mm512_add_ps(sum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wr + k0), (__m256i)_mm512_cvtneps_pbh(e));
+      __m512 weight = e;
+      if constexpr (Q8) weight = _mm512_mul_ps(e, _mm512_loadu_ps(scratch.value_scales.data() + k0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wr + k0), (__m256i)_mm512_cvtneps_pbh(weight));
     }
     pr[HD] = m;
     pr[HD + 1] = _mm512_reduce_add_ps(sum);
-  }
-  // V interleaved by key pairs (a pair past the part's last key: zeros).
-  {
-    KeyCursor cursor(vb, table, BS, row_stride, kvh * HD, key_lo, n);
-    uint32_t* vt = scratch.values.data();
-    const __m256i zero = _mm256_setzero_si256();
-    for (int64_t j = 0; j < pairs; ++j) {
-      const uint16_t* v0 = nullptr;
-      const uint16_t* v1 = nullptr;
-      if (2 * j < n) {
-        v0 = cursor.row();
-        if (2 * j + 1 < n) cursor.next();
-      }
-      if (2 * j + 1 < n) {
-        v1 = cursor.row();
-        if (2 * j + 2 < n) cursor.next();
-      }
-      for (int64_t c = 0; c < NV; ++c) {
-        const __m256i lo = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c)) : zero;
-        const __m256i hi = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * c)) : zero;
-        const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-        _mm512_storeu_si512(vt + (c * pairs + j) * 16, pair);
-      }
-    }
   }
   // Value sums, rows in tiles (24 accumulators at head dim 64).
   constexpr int kRows = HD >= 256 ? 1 : static_cast<int>(384 / HD);
@@ -1058,8 +1129,8 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, con
 // The invariant route for a step's bf16 chunks (see above): items of up to `q_chunk` query
 // tokens per KV head, their parts at multiples of key_part, parts on the threads, then each
 // item's rows merged.
-template <int64_t HD>
-void attention_invariant(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
+template <int64_t HD, bool Q8>
+void attention_invariant(const c10::BFloat16* q, const uint16_t* kc, const uint16_t* vc,
                          const int32_t* tables, int64_t max_blocks, c10::BFloat16* o, const int32_t* lens,
                          const int32_t* qsl, int64_t S, int64_t H, int64_t Hkv, int64_t BS, double scale,
                          int64_t window, int64_t q_chunk, int64_t key_part) {
@@ -1105,7 +1176,7 @@ void attention_invariant(const c10::BFloat16* q, const c10::BFloat16* kc, const 
     for (int64_t i = 0; i < n_parts; ++i) {
       const PartWork& pt = parts[i];
       const Item& w = items[pt.item];
-      attend_part_pairs_bf16<HD>(q, kc, vc, tables + w.seq * max_blocks, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0, w.i1,
+      attend_part_pairs_bf16<HD, Q8>(q, kc, vc, tables + w.seq * max_blocks, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0, w.i1,
                            qsl[w.seq], w.h0, H, Hkv, BS, sc, window, pt.key_lo, pt.key_hi,
                            partials + pt.offset, scratch);
     }
@@ -1155,11 +1226,11 @@ void paged_attention_impl(const torch::Tensor& out, const torch::Tensor& query, 
     if (key_part > 0 && S > 0) {  // the invariant route (attention_invariant): every chunk, decode or prefill
       TORCH_CHECK(key_part % 16 == 0 && q_chunk > 0, "paged_attention: key_part a positive multiple of 16 expected");
       const auto* qp = query.data_ptr<c10::BFloat16>();
-      const auto* kp = key_cache.data_ptr<c10::BFloat16>();
-      const auto* vp = value_cache.data_ptr<c10::BFloat16>();
+      const auto* kp = reinterpret_cast<const uint16_t*>(key_cache.data_ptr<c10::BFloat16>());
+      const auto* vp = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<c10::BFloat16>());
       auto* op = out.data_ptr<c10::BFloat16>();
 #define PAGODA_INVARIANT(HD) \
-  attention_invariant<HD>(qp, kp, vp, tables, max_blocks, op, lens, qsl, S, H, Hkv, BS, scale, window, q_chunk, key_part)
+  attention_invariant<HD, false>(qp, kp, vp, tables, max_blocks, op, lens, qsl, S, H, Hkv, BS, scale, window, q_chunk, key_part)
       if (D == 64) { PAGODA_INVARIANT(64); return; }
       if (D == 128) { PAGODA_INVARIANT(128); return; }
       if (D == 256) { PAGODA_INVARIANT(256); return; }
@@ -1266,6 +1337,43 @@ void paged_attention_impl(const torch::Tensor& out, const torch::Tensor& query, 
   }
 }
 
+// An int8 KV cache (`--kv-cache-dtype int8`: rows of HD codes and a bf16 scale,
+// kernels/kv_quant.py) is read by the invariant route only, its codes widened as they load
+// (attend_part_pairs_bf16<HD, true>): bf16 queries, head dims 64/128/256, AVX512-BF16.
+void paged_attention_int8(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                          const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                          const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
+                          int64_t window, int64_t q_chunk, int64_t key_part) {
+  const int64_t H = query.size(1), D = query.size(2);
+  const int64_t BS = key_cache.size(1), Hkv = key_cache.size(2);
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kChar &&
+                  key_cache.size(3) == D + 2 && value_cache.sizes() == key_cache.sizes(),
+              "paged_attention: an int8 KV cache [blocks, block_size, Hkv, head_dim + 2] is read with bfloat16 queries");
+  TORCH_CHECK(key_part > 0 && key_part % 16 == 0 && q_chunk > 0,
+              "paged_attention: an int8 KV cache takes the invariant route (key_part a positive multiple of 16)");
+#if defined(__AVX512BF16__)
+  const int64_t S = seq_lens.size(0);
+  if (S == 0) return;
+  const auto* qp = query.data_ptr<c10::BFloat16>();
+  const auto* kp = reinterpret_cast<const uint16_t*>(key_cache.data_ptr<int8_t>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<int8_t>());
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+#define PAGODA_INVARIANT_Q8(HD) \
+  attention_invariant<HD, true>(qp, kp, vp, tables, max_blocks, op, lens, qsl, S, H, Hkv, BS, scale, window, q_chunk, key_part)
+  if (D == 64) { PAGODA_INVARIANT_Q8(64); return; }
+  if (D == 128) { PAGODA_INVARIANT_Q8(128); return; }
+  if (D == 256) { PAGODA_INVARIANT_Q8(256); return; }
+#undef PAGODA_INVARIANT_Q8
+  TORCH_CHECK(false, "paged_attention: an int8 KV cache needs head dim 64, 128 or 256, got ", D);
+#else
+  TORCH_CHECK(false, "paged_attention: an int8 KV cache needs a CPU with AVX512-BF16 (this build has none)");
+#endif
+}
+
 }  // namespace
 
 // Attention of a batch of decodes and prefill chunks, K/V read in place through the block
@@ -1286,9 +1394,15 @@ void paged_attention(const torch::Tensor& out, const torch::Tensor& query, const
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "paged_attention: int32 block_tables, seq_lens and query_start_loc expected");
+  auto bt = block_tables.contiguous();
+  if (key_cache.scalar_type() == at::kChar) {  // an int8 KV cache: its own route (see paged_attention_int8)
+    TORCH_CHECK(out.scalar_type() == query.scalar_type(), "paged_attention: query and out must share a dtype");
+    paged_attention_int8(out, query, key_cache, value_cache, bt, seq_lens, query_start_loc, scale, sliding_window,
+                         q_chunk, key_part);
+    return;
+  }
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "paged_attention: query, caches and out must share a dtype");
-  auto bt = block_tables.contiguous();
   if (query.scalar_type() == at::kFloat) {
     paged_attention_impl<float>(out, query, key_cache, value_cache, bt, seq_lens, query_start_loc, scale,
                                 sliding_window, q_chunk, skip_over, few_rows, block_over, key_part);
@@ -1300,14 +1414,67 @@ void paged_attention(const torch::Tensor& out, const torch::Tensor& query, const
   }
 }
 
+namespace {
+
+// One (token, head) row of D values as an int8 cache row (kernels/kv_quant.py `quantize`,
+// bit for bit): scale = bf16(absmax / 127), rounded before the codes are computed with it,
+// codes = clamp(round_half_even(x / scale), -127, 127) (a true division, as torch's), the
+// scale's bf16 bits after the D codes; an all-zero row gets scale 0 and codes 0.
+template <typename T>
+void quantize_row_int8(const T* __restrict x, int8_t* __restrict dst, int64_t D) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+  const uint16_t bits = bf16_bits(amax / 127.f);
+  const float scale = bf16_to_float_bits(bits);
+  for (int64_t d = 0; d < D; ++d) {
+    float y = scale > 0.f ? std::nearbyint(static_cast<float>(x[d]) / scale) : 0.f;
+    y = y == y ? std::min(127.f, std::max(-127.f, y)) : 0.f;  // NaN input: code 0
+    dst[d] = static_cast<int8_t>(y);
+  }
+  std::memcpy(dst + D, &bits, sizeof(bits));
+}
+
+template <typename T>
+void cache_int8_rows(const torch::Tensor& src, const torch::Tensor& cache, const int64_t* slots, int64_t t) {
+  const int64_t Hkv = src.size(1), D = src.size(2);
+  const T* x = src.data_ptr<T>() + t * src.stride(0);
+  int8_t* dst = cache.data_ptr<int8_t>() + slots[t] * Hkv * (D + 2);
+  for (int64_t h = 0; h < Hkv; ++h) quantize_row_int8(x + h * D, dst + h * (D + 2), D);
+}
+
+}  // namespace
+
 // key/value [T, Hkv, D] (rows may be strided views of the fused QKV output) into their
-// cache slots; a negative slot is skipped (padding).
+// cache slots; a negative slot is skipped (padding). An int8 cache ([.., Hkv, D + 2]:
+// `--kv-cache-dtype int8`) gets each (token, head) row quantized (quantize_row_int8).
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& key_cache,
                        const torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "reshape_and_cache: dtype mismatch");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key.stride(1) == key.size(2) &&
                   value.stride(1) == value.size(2),
               "reshape_and_cache: each token's heads must be contiguous");
+  if (key_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(value_cache.scalar_type() == at::kChar && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                    key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2) + 2 &&
+                    value_cache.sizes() == key_cache.sizes() && value.scalar_type() == key.scalar_type(),
+                "reshape_and_cache: int8 caches [blocks, block_size, Hkv, head_dim + 2] expected");
+    const bool bf16 = key.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(bf16 || key.scalar_type() == at::kFloat, "reshape_and_cache: bfloat16 or float32 K/V expected");
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    at::parallel_for(0, key.size(0), 16, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        if (slots[t] < 0) continue;
+        if (bf16) {
+          cache_int8_rows<c10::BFloat16>(key, key_cache, slots, t);
+          cache_int8_rows<c10::BFloat16>(value, value_cache, slots, t);
+        } else {
+          cache_int8_rows<float>(key, key_cache, slots, t);
+          cache_int8_rows<float>(value, value_cache, slots, t);
+        }
+      }
+    });
+    return;
+  }
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "reshape_and_cache: dtype mismatch");
   const int64_t T = key.size(0), row = key.size(1) * key.size(2);
   const int64_t bytes = row * key.element_size();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -2009,9 +2176,11 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     down.check(I, "down");
     for (int c = 0; c < 2; ++c) {
       const torch::Tensor& cache = kv_caches[2 * l + c];
-      TORCH_CHECK(cache.scalar_type() == at::kBFloat16 && cache.is_contiguous() && cache.dim() == 4 &&
-                      cache.size(2) == Hkv && cache.size(3) == D,
-                  "bf16_decode_layers: contiguous bfloat16 caches [blocks, block_size, Hkv, D] expected");
+      const bool int8 = cache.scalar_type() == at::kChar;
+      TORCH_CHECK((cache.scalar_type() == at::kBFloat16 || int8) && cache.is_contiguous() && cache.dim() == 4 &&
+                      cache.size(2) == Hkv && cache.size(3) == (int8 ? D + 2 : D) && (!int8 || key_part > 0),
+                  "bf16_decode_layers: contiguous bfloat16 caches [blocks, block_size, Hkv, D] or int8 ones "
+                  "[.., D + 2] (with the invariant route's key_part) expected");
     }
   }
   const auto opts = embedding.options();
@@ -2037,8 +2206,13 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
                       slot_mapping);
     torch::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({M, H, D});
     torch::Tensor o = torch::empty_like(q);
-    paged_attention_impl<c10::BFloat16>(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc,
-                                        scale, windows[l], q_chunk, /*skip_over=*/0, few_rows, block_over, key_part);
+    if (kv_caches[2 * l].scalar_type() == at::kChar) {
+      paged_attention_int8(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc, scale,
+                           windows[l], q_chunk, key_part);
+    } else {
+      paged_attention_impl<c10::BFloat16>(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc,
+                                          scale, windows[l], q_chunk, /*skip_over=*/0, few_rows, block_over, key_part);
+    }
     torch::Tensor attn = o_proj(o.view({M, H * D}));
     add_rms_norm_impl<c10::BFloat16>(h, x, x, &attn, t[7], eps);
     if (gate_up.kind == 0 && down.kind == 0 && gate_up.bias->numel() == 0 && down.bias->numel() == 0) {
