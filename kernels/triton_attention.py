@@ -37,6 +37,20 @@ batch (which would need the query lengths on the host: a device sync per layer).
 Keys past seq_len (block tails, padded table entries) are never loaded: slots a sequence
 does not own may hold anything a freed block left behind, inf/nan included.
 
+A quantized cache (`kernels.kv_quant`: each (token, KV head) row is head_dim int8 codes or
+FP8 E4M3 bits, then its bf16 scale) is read in place, the constexpr KV_QUANT (0 none,
+1 int8, 2 fp8) choosing the loads, so the unquantized kernels are the same code as
+without it. Each tile loads the codes and the tile's per-key scales; no dequantized copy
+of the cache exists anywhere. The scales are applied where they cost least:
+- K: a key's scale multiplies its whole column of scores, so the codes go into `tl.dot`
+  as they are (cast to the query's dtype: int8 and E4M3 values are exact in fp16, bf16
+  and fp32) and the scale joins the softmax scale, one multiply per score;
+- V: the tile is dequantized in fp32 (codes x scale) and cast to the query's dtype, the
+  values a cache in that dtype would hold. Folding V's scale into the probabilities
+  instead would put p x scale through fp16, whose range underflows for small V rows.
+The rows are head_dim + 2 bytes, so a tile's loads are only 2-byte aligned (the format
+trades vector width for the scale sitting in its row).
+
 All offsets are int64 (block id x block stride exceeds 2**31 elements in a large cache).
 Values inside the metadata tensors (seq_lens vs the block table's width, ids below
 num_blocks) are trusted, as in vLLM: checking them would need a device sync per layer.
@@ -51,6 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import kv_quant
+from kernels.triton_cache import check_quantized_caches, kv_quant_mode
 from kernels.triton_runtime import check_device_runs_triton
 
 _LOG2E = 1.4426950408889634
@@ -82,6 +98,24 @@ def _find_seq_idx(
     return lo - 1
 
 
+@triton.jit
+def _load_row_scales(cache_ptr, slot_off, valid, HEAD_DIM: tl.constexpr):
+    # Each quantized row's scale: the bf16 in its two bytes after the codes (little-endian,
+    # at an even offset), as fp32. Rows past seq_len are not read (garbage may be nan).
+    bits = tl.load((cache_ptr + slot_off + HEAD_DIM).to(tl.pointer_type(tl.int16)), mask=valid, other=0)
+    return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _codes_to(codes, dtype: tl.constexpr, KV_QUANT: tl.constexpr):
+    # A quantized tile's codes as values of `dtype` (before the scale): int8 integers, or the
+    # uint8 bits of FP8 E4M3 (OCP "fn": no infinities) read as float8e4nv. Exact either way.
+    if KV_QUANT == 1:
+        return codes.to(dtype)
+    else:
+        return codes.to(tl.float8e4nv, bitcast=True).to(dtype)
+
+
 # The batch size and the block table's width change every step: not specializing on them
 # (== 1, % 16) keeps one compiled variant per config instead of new compiles mid-serving.
 @triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])
@@ -91,8 +125,8 @@ def _paged_attention_kernel(
     partial_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain; only when USE_SPLIT_K
     partial_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32; only when USE_SPLIT_K
     query_ptr,  # [num_tokens, num_heads, head_dim]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 2 bytes of scale when KV_QUANT)]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 2 bytes of scale when KV_QUANT)]
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -117,6 +151,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # the caches hold 0: values in the query's dtype; 1: int8 rows; 2: fp8 rows
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -170,8 +205,16 @@ def _paged_attention_kernel(
         slot_off = (
             block_id * stride_cache_block + (key_pos % BLOCK_SIZE).to(tl.int64) * stride_cache_token + kv_head_off
         )  # [TILE_N] int64
-        k = tl.load(key_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=key_valid[None, :], other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if KV_QUANT == 0:
+            k = tl.load(key_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=key_valid[None, :], other=0.0)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        else:
+            # Rows are head_dim + 2 one-byte elements: every row starts at an even offset.
+            slot_off = tl.multiple_of(slot_off, 2)
+            k = tl.load(key_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=key_valid[None, :], other=0)
+            k_scale = _load_row_scales(key_cache_ptr, slot_off, key_valid, HEAD_DIM)  # [TILE_N] fp32
+            k = _codes_to(k, q.dtype, KV_QUANT)  # exact: int8 / E4M3 values fit every float dtype
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
         visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
         visible = visible & (key_pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
@@ -181,7 +224,12 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+        if KV_QUANT == 0:
+            v = tl.load(value_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+        else:
+            v = tl.load(value_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=key_valid[:, None], other=0)
+            v_scale = _load_row_scales(value_cache_ptr, slot_off, key_valid, HEAD_DIM)  # [TILE_N] fp32
+            v = (_codes_to(v, tl.float32, KV_QUANT) * v_scale[:, None]).to(q.dtype)  # [TILE_N, HEAD_DIM]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -314,7 +362,11 @@ def check_paged_attention_args(
     out: torch.Tensor,
     sliding_window: int | None = None,
 ) -> None:
-    """Shapes, dtypes, layouts and devices; raises ValueError (values are not read)."""
+    """Shapes, dtypes, layouts and devices; raises ValueError (values are not read).
+
+    The caches hold values in the query's dtype ([.., head_dim]) or quantized rows of any
+    query dtype (int8 / uint8 = FP8, [.., head_dim + 2]: `kernels.kv_quant`).
+    """
     if sliding_window is not None and not 1 <= sliding_window < _NO_WINDOW:
         raise ValueError(f"sliding_window must be in [1, {_NO_WINDOW}) or None, got {sliding_window}")
     if query.dim() != 3 or key_cache.dim() != 4:
@@ -325,15 +377,27 @@ def check_paged_attention_args(
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape {tuple(key_cache.shape)}")
     _, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    _, block_size, num_kv_heads, cache_row = key_cache.shape
     if query.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be float16, bfloat16 or float32, got {query.dtype}")
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
-        if t.dtype != query.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
+    if out.dtype != query.dtype:
+        raise ValueError(f"out dtype {out.dtype} != query dtype {query.dtype}")
+    quantized = kv_quant.is_quantized(key_cache)
+    if quantized:
+        # int8 / uint8 (fp8) rows of head_dim codes + a bf16 scale, read by any query dtype.
+        check_quantized_caches(key_cache, value_cache, head_dim)
+        cache_head_dim = cache_row - kv_quant.SCALE_BYTES
+    else:
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if t.dtype != query.dtype:
+                raise ValueError(
+                    f"{name} dtype {t.dtype} != query dtype {query.dtype} (a quantized cache is int8 or uint8)"
+                )
+        cache_head_dim = cache_row
     if head_dim not in SUPPORTED_HEAD_DIMS or cache_head_dim != head_dim:
         raise ValueError(
             f"head_dim must be one of {SUPPORTED_HEAD_DIMS} in query and caches, got {head_dim} and {cache_head_dim}"
+            + (f" (the quantized cache's rows of {cache_row} less the 2 scale bytes)" if quantized else "")
         )
     if not _is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {block_size}")
@@ -371,8 +435,8 @@ def check_paged_attention_args(
 
 def launch_paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], or head_dim + 2 int8/uint8
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], or head_dim + 2 int8/uint8
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
@@ -484,6 +548,7 @@ def _launch(
         USE_SPLIT_K=use_split_k,
         # fp32 inputs: exact fp32 products (tl.dot would default to tf32 on the GPU).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_QUANT=kv_quant_mode(key_cache),
         num_warps=c.num_warps,
     )
     if use_split_k:
@@ -504,8 +569,8 @@ def _launch(
 
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], or head_dim + 2 int8/uint8
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], or head_dim + 2 int8/uint8
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
@@ -515,7 +580,11 @@ def paged_attention(
     sliding_window: int | None = None,  # a query at p sees keys p - sliding_window < k <= p
     invariant: bool = False,  # one config whatever the batch (`choose_config`): --batch-invariant
 ) -> torch.Tensor:
-    """`kernels.reference.paged_attention` in Triton, config from `choose_config`."""
+    """`kernels.reference.paged_attention` in Triton, config from `choose_config`.
+
+    Quantized caches (`kernels.kv_quant`: int8 / uint8 rows of codes + bf16 scale) are
+    dequantized as the kernel loads them; the output is in the query's dtype.
+    """
     if out is None:
         out = torch.empty_like(query)
     check_paged_attention_args(

@@ -6,9 +6,10 @@
 #
 # Phases in order of value, each under its own time budget (BUDGET_FULL / BUDGET_QUICK
 # below, seconds; tests/loadtest/test_gpu_suite.py checks they add up):
-# 1. tests: CUDA correctness - the Triton kernels compiled (bf16 / fp16 / fp32), the quantized
-#    GEMMs, CUDA graphs, the engine on Triton with quantized linears against its reference,
-#    seeded sampling and prompt logprobs - in four parallel shards, since compiling dominates;
+# 1. tests: CUDA correctness - the Triton kernels compiled (bf16 / fp16 / fp32; attention and
+#    cache write on INT8 / FP8 KV caches too), the quantized GEMMs, CUDA graphs, the engine on
+#    Triton with quantized linears against its reference, seeded sampling and prompt logprobs -
+#    in four parallel shards, since compiling dominates;
 # 2. engine: loadtest/bench_engine_gpu.py on a random-weight Llama-3-8B shape: bf16 batch 1
 #    and 64 vs Hugging Face `generate`, INT4 and INT8 batch 1 (then prefill and batch 256
 #    when the time allows; --quick leaves them out);
@@ -57,11 +58,12 @@ QUICK_MARK=()
 [ "$quick" = 1 ] && QUICK_MARK=(-m "not slow")
 # Shards C and D leave out the slow tier: there it means the bundled model (not on the GPU
 # machine) or CPU-interpreter runs, which skip on CUDA anyway.
-timeout "$T" "${PYTEST[@]}" ${QUICK_MARK[@]+"${QUICK_MARK[@]}"} tests/kernels/test_triton_attention.py -k "cuda-bf16" \
-  >"$scratch/attention_bf16.log" 2>&1 &
+# tests/kernels/test_triton_kv_quant.py (INT8 / FP8 KV cache) splits by variant like the attention tests.
+timeout "$T" "${PYTEST[@]}" ${QUICK_MARK[@]+"${QUICK_MARK[@]}"} tests/kernels/test_triton_attention.py \
+  tests/kernels/test_triton_kv_quant.py -k "cuda-bf16" >"$scratch/attention_bf16.log" 2>&1 &
 p1=$!
-timeout "$T" "${PYTEST[@]}" ${QUICK_MARK[@]+"${QUICK_MARK[@]}"} tests/kernels/test_triton_attention.py -k "not cuda-bf16" \
-  >"$scratch/attention_other.log" 2>&1 &
+timeout "$T" "${PYTEST[@]}" ${QUICK_MARK[@]+"${QUICK_MARK[@]}"} tests/kernels/test_triton_attention.py \
+  tests/kernels/test_triton_kv_quant.py -k "not cuda-bf16" >"$scratch/attention_other.log" 2>&1 &
 p2=$!
 timeout "$T" "${PYTEST[@]}" -m "not slow" tests/engine/test_cuda_graphs.py tests/kernels/test_engine_triton.py \
   tests/kernels/test_triton_cache.py tests/kernels/test_kernel_dispatch.py tests/engine/test_sampler.py \

@@ -6,6 +6,12 @@ compiling. Triton's wheel carries the NVIDIA backend and ptxas, so `hopper_compi
 compiles each config the config table picks (in a fresh process without the interpreter)
 to a cubin for an H100/H200, and the decode loop is checked to stream K/V through
 asynchronous copies: the pipelined loop that decode bandwidth depends on.
+
+The quantized KV cache's variants (INT8 / FP8 rows, kernels/kv_quant.py) compile on every
+path too; their rows of head_dim + 2 bytes are only 2-byte aligned, below the 4 bytes an
+asynchronous copy moves, so their loads are checked to be 16-bit wide instead (not byte
+by byte). Their quantizing write is checked for the instructions its bit-exactness
+rests on: correctly rounded divisions, the round-half-even constant, FP8's cvt.rn.satfinite.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import sys
 
 import pytest
 
-from hopper_compile import ATTENTION_CASES, GEMM_CASES
+from hopper_compile import ATTENTION_CASES, GEMM_CASES, QUANT_ATTENTION_CASES, QUANT_CACHE_CASES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -63,3 +69,22 @@ def test_weight_only_gemms_compile_for_hopper(compiled, name: str) -> None:
 @pytest.mark.parametrize("name", ["merge_2", "merge_16", "cache_bf16", "cache_fp16", "cache_fp32"])
 def test_merge_and_cache_write_compile_for_hopper(compiled, name: str) -> None:
     assert compiled[name]["ok"], compiled[name].get("error")
+
+
+@pytest.mark.parametrize("name", list(QUANT_ATTENTION_CASES))
+def test_attention_on_a_quantized_cache_compiles_for_hopper(compiled, name: str) -> None:
+    r = compiled[name]
+    assert r["ok"], r.get("error")
+    assert r["shared"] <= 227 * 1024
+    assert r["byte_loads"] == 0 and r["b16_loads"] > 0, "the codes are loaded a byte at a time"
+
+
+@pytest.mark.parametrize("name", list(QUANT_CACHE_CASES))
+def test_quantizing_cache_write_compiles_for_hopper(compiled, name: str) -> None:
+    r = compiled[name]
+    assert r["ok"], r.get("error")
+    assert r["div_rn"] > 0 and r["div_approx"] == 0, "x / scale must be the correctly rounded division"
+    if r["kv_quant"] == "int8":
+        assert r["rint_constant"], "the round-half-even's 1.5 * 2**23 was folded away"
+    else:
+        assert r["fp8_rne"], "FP8 codes not converted by cvt.rn.satfinite.e4m3x2.f32"
