@@ -14,10 +14,17 @@ output masked to its own adapter's columns) instead of one pair of matmuls per a
 (lora_alpha / sqrt(r) under rsLoRA) and is folded into B at load time.
 
 The deltas are added by forward hooks on the targeted linears, installed once when LoRA is
-enabled. A step with no LoRA rows runs exactly as without LoRA (the hooks return at once);
-a step with some cannot use the C++ fused decode call (kernels/cpu_kernels.py
-`bf16_decode_layers`), which has no hook points: `LlamaForCausalLM.forward` takes the
-per-layer Python path for that step (logged once).
+enabled. A step with no LoRA rows runs exactly as without LoRA (the hooks return at once).
+
+In bf16 on the C++ CPU kernels (AVX512-BF16) every step's deltas, one adapter or several,
+are one C++ call per linear (kernels/cpu_kernels.py `lora_add`): the step's adapters' A
+stacked on the rank axis and their B transposed and stacked likewise, each row taking its
+own adapter's rank columns (the shrink kept in float32, each output rounded once), so a
+row's result does not depend on the other rows of the step. The fused decode call
+(`bf16_decode_layers`) takes the same stacks (`fused_tensors`) and adds the same deltas
+after each of its linears: decode steps with LoRA rows stay in the one C++ call. Elsewhere
+(float32, CUDA) the deltas are torch ops, and a step with LoRA rows cannot use the fused
+call: `LlamaForCausalLM.forward` takes the per-layer Python path for it (logged once).
 
 Residency: every registered adapter keeps its tensors in host memory; up to `max_loras`
 of them also have a device copy (on CPU the host copy is the device copy). The scheduler
@@ -195,6 +202,16 @@ class LoraManager:
         self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
         self.num_requests: dict[str, int] = {}
         """Requests admitted per adapter name (the server's per-adapter counters read it)."""
+        from kernels import cpu_kernels
+
+        self.kernel = device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.bf16_gemv_available()
+        """Whether the deltas run the C++ `lora_add` (and the fused decode call takes them)."""
+        self.kernel_rows: torch.Tensor | None = None
+        """This step's adapter group (index into `_kernel_adapters`) of each row, -1 for base rows."""
+        self._kernel_ids: tuple[int, ...] = ()
+        self._kernel_adapters: list[LoraAdapter] = []
+        self._kernel_stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
+        self._fused: list[torch.Tensor] | None = None
         for i, layer in enumerate(model.model.layers):
             for fused in FUSED_LINEARS:
                 module = layer.get_submodule(fused)
@@ -248,10 +265,20 @@ class LoraManager:
                 adapters[lora.lora_id] = lora.adapter
             start += n
         self._row_group = None
+        self.kernel_rows = None
         if not rows:
             self.groups = []
             return
         self._make_resident(adapters)
+        if self.kernel:
+            ids = tuple(sorted(rows))
+            if ids != self._kernel_ids:  # the steady state of a batch keeps its adapters: the stacks are reused
+                self._kernel_ids, self._kernel_stacks, self._fused = ids, {}, None
+                self._kernel_adapters = [adapters[i] for i in ids]
+            kernel_rows = torch.full((start,), -1, dtype=torch.int64)
+            for g, lora_id in enumerate(ids):
+                kernel_rows[rows[lora_id]] = g
+            self.kernel_rows = kernel_rows
         self.groups = [
             (adapters[i].device_weights, None if len(r) == start else torch.tensor(r, dtype=torch.int64, device=self.device))
             for i, r in rows.items()
@@ -272,6 +299,7 @@ class LoraManager:
     def end_step(self) -> None:
         self.groups = []
         self._row_group = None
+        self.kernel_rows = None
 
     @property
     def active(self) -> bool:
@@ -311,6 +339,15 @@ class LoraManager:
             if not self.groups:
                 return None
             x = inputs[0]
+            if self.kernel_rows is not None and x.dtype == torch.bfloat16:  # the C++ deltas, every row at once
+                stack = self._kernel_stack(key)
+                if stack is not None:
+                    from kernels import cpu_kernels
+
+                    out = out if out.is_contiguous() else out.contiguous()
+                    cpu_kernels.lora_add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]).contiguous(),
+                                         *stack[:2], self.kernel_rows, stack[2])
+                return out
             if self._row_group is not None:  # several adapters: one shrink and one expand for all rows
                 stack = self._stack(key)
                 if stack is not None:
@@ -329,6 +366,37 @@ class LoraManager:
             return out
 
         return add_deltas
+
+    def _kernel_stack(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For `lora_add`: this step's adapters' A of one linear stacked ([sum r, in]), their B
+        transposed and stacked ([sum r, out]), and each adapter's rank columns as offsets
+        ([G + 1], an adapter that does not target the linear an empty range); None when none
+        targets it."""
+        if key not in self._kernel_stacks:
+            pairs = [adapter.device_weights.get(key) for adapter in self._kernel_adapters]
+            offsets = [0]
+            for pair in pairs:
+                offsets.append(offsets[-1] + (pair[0].shape[0] if pair is not None else 0))
+            present = [pair for pair in pairs if pair is not None]
+            self._kernel_stacks[key] = None if not present else (
+                torch.cat([a for a, _ in present]).contiguous(), torch.cat([b.t() for _, b in present]).contiguous(),
+                torch.tensor(offsets, dtype=torch.int64))
+        return self._kernel_stacks[key]
+
+    def fused_tensors(self, num_layers: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The fused decode call's LoRA arguments for this step (`kernels.cpu_kernels.bf16_decode_layers`):
+        a, bt, offsets per fused linear (qkv, o, gate_up, down) and layer, an empty `a` where
+        no adapter of the step targets the linear, and each row's adapter group."""
+        if self._fused is None:
+            empty = (torch.empty(0, 1, dtype=self.dtype), torch.empty(0, 1, dtype=self.dtype),
+                     torch.zeros(len(self._kernel_ids) + 1, dtype=torch.int64))
+            tensors: list[torch.Tensor] = []
+            for layer in range(num_layers):
+                for fused in FUSED_LINEARS:
+                    stack = self._kernel_stack((layer, fused))
+                    tensors.extend(stack if stack is not None else empty)
+            self._fused = tensors
+        return self._fused, self.kernel_rows
 
     def _stack(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...]] | None:
         """This step's adapters' A of one linear stacked on the rank axis ([sum r, in]) and

@@ -212,7 +212,8 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
                        positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
                        scale: float, eps: float, final_norm: torch.Tensor, out_rows: torch.Tensor,
-                       lm_head: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
+                       lm_head: torch.Tensor | None = None, invariant: bool = False,
+                       lora: list[torch.Tensor] | None = None, lora_rows: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's Llama-style decoder layers for a few bf16 rows in one call
     (csrc/cpu_kernels.cpp `bf16_decode_layers`): the tokens `input_ids` (int64 [M]) looked
     up in `embedding` [vocab, hidden] (bf16), then every layer. The same kernels, order and
@@ -234,17 +235,39 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
     with no add computes it; with `lm_head` [vocab, hidden] (bf16, packed, no bias), their
     logits instead: float32 [R, vocab], each the bf16 the head's kernel rounds it to (as
     `bf16_linear(hidden, lm_head).float()`). `invariant`: attention on `paged_attention`'s
-    batch-invariant route (as the per-op forward with the same setting; an int8 cache always)."""
+    batch-invariant route (as the per-op forward with the same setting; an int8 cache always).
+    `lora`, `lora_rows`: a step with LoRA rows (engine/lora.py `LoraManager.fused_tensors`):
+    a, bt, offsets per linear and layer, and each row's adapter group; each linear's deltas
+    are added by `lora_add` as the per-op forward's hooks add them."""
     invariant = invariant or kv_caches[0].dtype == torch.int8
     q_chunk = INVARIANT_Q_CHUNK if invariant else _few_rows_per_item(num_heads, num_kv_heads)
     return load().bf16_decode_layers(input_ids, embedding, layer_tensors, kinds, kv_caches, windows, cos, sin,
                                      positions, slot_mapping, block_tables, seq_lens, query_start_loc, num_heads,
                                      num_kv_heads, scale, eps, q_chunk, FEW_ROWS,
                                      0 if invariant else BLOCK_MIN_ROWS, KEY_PART if invariant else 0, final_norm,
-                                     out_rows, lm_head if lm_head is not None else _EMPTY_BF16)
+                                     out_rows, lm_head if lm_head is not None else _EMPTY_BF16, lora or [],
+                                     lora_rows if lora_rows is not None else _EMPTY_ROWS)
 
 
 _EMPTY_BF16 = torch.empty(0, dtype=torch.bfloat16)  # no LM head: bf16_decode_layers returns the hidden rows
+_EMPTY_ROWS = torch.empty(0, dtype=torch.int64)  # no LoRA rows
+
+
+def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, row_group: torch.Tensor,
+             offsets: torch.Tensor) -> None:
+    """`out[m] += (x[m] @ a[o0:o1].T) @ bt[o0:o1]` for each row m of adapter group
+    g = row_group[m] >= 0, [o0, o1) = offsets[g:g + 2] (csrc/cpu_kernels.cpp `lora_add_rows`):
+    bf16 out [M, N], x [M, K], a [R, K], bt [R, N]; the shrink kept in float32, each output
+    rounded once; a row's result depends on its own inputs only. Only where
+    `bf16_gemv_available()`."""
+    load().lora_add(out, x, a, bt, row_group, offsets)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` of bf16 rows `gate_up` [M, 2I] as `bf16_silu_mlp` computes its
+    activation (vectorised, each product rounded as the eager ops round). Only where
+    `bf16_gemv_available()`."""
+    return load().silu_mul(gate_up)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -278,6 +278,13 @@ class MLP(nn.Module):
             # any row count (its SiLU-and-multiply is one arithmetic for every row: batch-
             # invariant; the eager ops below round the same way, their float exp is torch's).
             return bf16_silu_mlp(x, gate_up.kernel_weight, down.kernel_weight)
+        if (self.act is F.silu and self.lora is not None and self.lora.kernel and self.lora.active
+                and type(gate_up) is Linear and gate_up.kernel_runs(x) and down.kernel_weight is not None):
+            # A step with LoRA rows on the C++ kernels: the linears' hooks add their deltas
+            # (`lora_add`) around the activation bf16_silu_mlp computes (as the fused decode call).
+            from kernels.cpu_kernels import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_up_proj(x).contiguous()))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -407,7 +414,8 @@ class FusedDecodeLayers:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                 logits: bool = False) -> torch.Tensor:
+                 logits: bool = False,
+                 lora: tuple[list[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """The final hidden states of the rows at `meta.logits_indices`: the embedding lookup,
         every layer, then the model's final norm of those rows (as
         `LlamaForCausalLM.final_norm` computes it on this backend), in the one call. With
@@ -419,6 +427,7 @@ class FusedDecodeLayers:
             *self.rope.tables(), positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, self.num_heads, self.num_kv_heads, self.scale, self.eps, self.final_norm,
             meta.logits_indices, self.lm_head if logits else None, invariant=self.batch_invariant,
+            lora=lora[0] if lora else None, lora_rows=lora[1] if lora else None,
         )
 
 
@@ -453,8 +462,9 @@ class LlamaForCausalLM(nn.Module):
 
     norm_class: type[nn.Module] = RMSNorm
     layer_class: type[nn.Module] = DecoderLayer
-    # The LoRA manager (engine/lora.py), set when LoRA is on: a step with LoRA rows cannot
-    # run the fused C++ decode call, whose linears have no hook points.
+    # The LoRA manager (engine/lora.py), set when LoRA is on: a step with LoRA rows runs the
+    # fused C++ decode call with its deltas (`LoraManager.fused_tensors`) where the deltas
+    # are C++ (`lora.kernel`: bf16 CPU), else the per-layer forward, whose linears' hooks add them.
     lora = None
 
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
@@ -501,6 +511,9 @@ class LlamaForCausalLM(nn.Module):
         if self.fused_decode is not None and self.fused_decode.runs(input_ids, kv_caches, ops):
             if self.lora is None or not self.lora.active:
                 return self.fused_decode(input_ids, positions, kv_caches, meta)  # the lookup and the final norm included
+            if self.lora.kernel:  # the step's LoRA deltas inside the call
+                return self.fused_decode(input_ids, positions, kv_caches, meta,
+                                         lora=self.lora.fused_tensors(len(self.model.layers)))
             self.lora.note_fused_fallback()
         x = self.embed(input_ids)
         ropes = self.layer_ropes(positions)
@@ -527,9 +540,12 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_decode
         if fused is None or fused.lm_head is None or not fused.runs(input_ids, kv_caches, ops):
             return None
+        lora = None
         if self.lora is not None and self.lora.active:
-            return None  # the per-layer forward applies the LoRA deltas (`forward`)
-        return fused(input_ids, positions, kv_caches, meta, logits=True)
+            if not self.lora.kernel:
+                return None  # the per-layer forward applies the LoRA deltas (`forward`)
+            lora = self.lora.fused_tensors(len(self.model.layers))
+        return fused(input_ids, positions, kv_caches, meta, logits=True, lora=lora)
 
     def final_norm(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """The final norm of the rows that sample. In bf16 on the C++ kernel backend through

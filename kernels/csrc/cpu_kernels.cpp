@@ -1994,6 +1994,70 @@ void silu_mul_rows(const uint16_t* gate_up, uint16_t* h, int64_t M, int64_t I) {
     }
   }
 }
+
+constexpr int64_t kMaxLoraColumns = 4096;  // rank columns of one adapter at one linear (its shards' ranks summed)
+
+// x . y over n bf16 elements: one float32 vdpbf16ps chain over pairs in order, the tail
+// masked, the 16 lanes summed at the end (the same order for a row whatever else is computed).
+inline float dot_bf16_any(const uint16_t* x, const uint16_t* y, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(y + k));
+  if (k < n) {
+    const __mmask32 mask = static_cast<__mmask32>((1ull << (n - k)) - 1);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k),
+                           (__m512bh)_mm512_maskz_loadu_epi16(mask, y + k));
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// LoRA deltas added into a linear's bf16 outputs (engine/lora.py), every adapter of the
+// step at once: row m of adapter group g = row_group[m] (-1: a base row, left as it is)
+// takes the group's rank columns [o0, o1) = [offsets[g], offsets[g + 1]) of the stacked
+// a [R, K] and bt [R, N] (each adapter's B transposed, its scale folded in):
+//   t_j = x_m . a_j  (dot_bf16_any),   out[m, n] = bf16(out[m, n] + sum_j t_j bt[j, n])
+// with t in float32 and one FMA chain per output over j in order, rounded once. A row's
+// result depends on its own x, out and adapter only: batch-invariant, and the per-op hook
+// and the fused decode call (bf16_decode_layers) run this same function.
+void lora_add_rows(uint16_t* out, const uint16_t* x, const uint16_t* a, const uint16_t* bt, const int64_t* row_group,
+                   const int64_t* offsets, int64_t M, int64_t K, int64_t N) {
+  auto one_row = [&](int64_t m) {
+    const int64_t g = row_group[m];
+    if (g < 0) return;
+    const int64_t o0 = offsets[g], r = offsets[g + 1] - o0;
+    if (r <= 0) return;
+    float t[kMaxLoraColumns];
+    const uint16_t* xm = x + m * K;
+    for (int64_t j = 0; j < r; ++j) t[j] = dot_bf16_any(xm, a + (o0 + j) * K, K);
+    uint16_t* om = out + m * N;
+    const uint16_t* b0 = bt + o0 * N;
+    for (int64_t n0 = 0; n0 < N; n0 += 64) {
+      __m512 acc[4];
+      __mmask16 mask[4];
+      for (int c = 0; c < 4; ++c) {
+        const int64_t left = N - n0 - 16 * c;
+        mask[c] = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                             : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : static_cast<__mmask16>(0);
+        acc[c] = bf16x16_to_float(om + n0 + 16 * c, mask[c]);
+      }
+      for (int64_t j = 0; j < r; ++j) {
+        const __m512 tj = _mm512_set1_ps(t[j]);
+        for (int c = 0; c < 4; ++c)
+          acc[c] = _mm512_fmadd_ps(tj, bf16x16_to_float(b0 + j * N + n0 + 16 * c, mask[c]), acc[c]);
+      }
+      for (int c = 0; c < 4; ++c)
+        if (mask[c]) _mm256_mask_storeu_epi16(om + n0 + 16 * c, mask[c], bf16_bits16(acc[c]));
+    }
+  };
+  if (M >= 4) {
+    at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) one_row(m);
+    });
+  } else {
+    for (int64_t m = 0; m < M; ++m) one_row(m);
+  }
+}
 #endif
 
 }  // namespace
@@ -2026,6 +2090,55 @@ void bf16_silu_mlp(const torch::Tensor& out, const torch::Tensor& x, const torch
   bf16_linear_impl(h.data(), reinterpret_cast<const uint16_t*>(down_weight.data_ptr()), nullptr,
                    reinterpret_cast<uint16_t*>(out.data_ptr()), M, I, N);
 #endif
+}
+
+// out [M, N] += the LoRA deltas of its rows (lora_add_rows): x [M, K], a [R, K] and bt [R, N]
+// bfloat16, row_group [M] and offsets [G + 1] int64.
+void lora_add(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt,
+              const torch::Tensor& row_group, const torch::Tensor& offsets) {
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && a.dim() == 2 && bt.dim() == 2 && out.size(0) == x.size(0) &&
+                  a.size(1) == x.size(1) && bt.size(1) == out.size(1) && bt.size(0) == a.size(0),
+              "lora_add: out [M, N], x [M, K], a [R, K] and bt [R, N] expected");
+  for (const torch::Tensor* t : {&out, &x, &a, &bt}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous(), "lora_add: contiguous bfloat16 tensors expected");
+  }
+  TORCH_CHECK(row_group.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && row_group.is_contiguous() &&
+                  offsets.is_contiguous() && row_group.numel() == x.size(0) && offsets.numel() >= 1,
+              "lora_add: int64 row_group [M] and offsets [G + 1] expected");
+  const int64_t G = offsets.numel() - 1, R = a.size(0);
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* groups = row_group.data_ptr<int64_t>();
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(0 <= off[g] && off[g] <= off[g + 1] && off[g + 1] <= R && off[g + 1] - off[g] <= 4096,
+                "lora_add: offsets must rise within [0, R], at most 4096 columns a group");
+  }
+  for (int64_t m = 0; m < row_group.numel(); ++m) {
+    TORCH_CHECK(groups[m] >= -1 && groups[m] < G, "lora_add: row_group ", groups[m], " not in [-1, ", G, ")");
+  }
+#if defined(__AVX512BF16__)
+  lora_add_rows(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                reinterpret_cast<const uint16_t*>(a.data_ptr()), reinterpret_cast<const uint16_t*>(bt.data_ptr()),
+                groups, off, x.size(0), x.size(1), out.size(1));
+#else
+  TORCH_CHECK(false, "lora_add: this build has no AVX512-BF16");
+#endif
+}
+
+// gate_up [M, 2I] bf16 -> silu(gate_up[:, :I]) * gate_up[:, I:] [M, I], as bf16_silu_mlp
+// computes its activation (silu_mul_rows): the per-op MLP of a step with LoRA rows, whose
+// linears take their deltas between the two GEMMs.
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
+                  gate_up.size(1) % 2 == 0,
+              "silu_mul: a contiguous bfloat16 [M, 2I] expected");
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  torch::Tensor h = torch::empty({M, I}, gate_up.options());
+#if defined(__AVX512BF16__)
+  silu_mul_rows(reinterpret_cast<const uint16_t*>(gate_up.data_ptr()), reinterpret_cast<uint16_t*>(h.data_ptr()), M, I);
+#else
+  TORCH_CHECK(false, "silu_mul: this build has no AVX512-BF16");
+#endif
+  return h;
 }
 
 namespace {
@@ -2104,7 +2217,9 @@ struct DecodeLinear {
 // layer_tensors: per layer, in this order, input_norm [hidden]; qkv, o: weight, bias,
 // scales each (DecodeLinear); post_norm [hidden]; gate_up, down: weight, bias, scales
 // each: 14 per layer. kinds: each layer's four linears' DecodeLinear kinds.
-// kv_caches: key, value per layer. windows: each layer's sliding window (0: none). The
+// kv_caches: key, value per layer (bf16, or int8 rows: paged_attention_int8). lora (empty:
+// none): a step's LoRA deltas, a, bt, offsets per linear and layer, with lora_rows [M] each
+// row's adapter group (lora_add). windows: each layer's sliding window (0: none). The
 // attention arguments after them are paged_attention's (its bf16 routing: q_chunk,
 // few_rows, block_over), the metadata shared by every layer. Returns [R, hidden]: the
 // model's final norm (`final_norm`) of the last layer's output rows `out_rows` [R] (the
@@ -2121,9 +2236,12 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
                                  const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
                                  int64_t num_heads, int64_t num_kv_heads, double scale, double eps, int64_t q_chunk,
                                  int64_t few_rows, int64_t block_over, int64_t key_part, const torch::Tensor& final_norm,
-                                 const torch::Tensor& out_rows, const torch::Tensor& lm_head) {
+                                 const torch::Tensor& out_rows, const torch::Tensor& lm_head,
+                                 const std::vector<torch::Tensor>& lora, const torch::Tensor& lora_rows) {
   constexpr size_t kPerLayer = 14;
   const size_t L = windows.size();
+  TORCH_CHECK(lora.empty() || (lora.size() == 12 * L && lora_rows.numel() == input_ids.numel()),
+              "bf16_decode_layers: LoRA takes a, bt, offsets per linear (12 per layer) and a row group per row");
   TORCH_CHECK(layer_tensors.size() == kPerLayer * L && kinds.size() == 4 * L && kv_caches.size() == 2 * L,
               "bf16_decode_layers: 14 tensors, 4 linear kinds and 2 caches per layer expected");
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() &&
@@ -2198,7 +2316,19 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     // h = norm(x + previous MLP output), x = that sum: the model's `x + mlp(h)` then the
     // next layer's input norm, with the sum rounded to bf16 as torch's add rounds it.
     add_rms_norm_impl<c10::BFloat16>(h, x, x, mlp_out.defined() ? &mlp_out : nullptr, t[0], eps);
+    // A step with LoRA rows: after each linear, its rows' adapter deltas (lora_add, as the
+    // per-op forward's hooks add them): `lora` holds a, bt, offsets per linear and layer
+    // (12 per layer; a linear no adapter of the step targets has an empty a).
+    auto add_lora = [&](int i, torch::Tensor& y, const torch::Tensor& in) {
+      if (lora.empty()) return false;
+      const torch::Tensor* t = &lora[12 * l + 3 * i];
+      if (t[0].size(0) == 0) return false;
+      lora_add(y, in, t[0], t[1], lora_rows, t[2]);
+      return true;
+    };
+    auto has_lora = [&](int i) { return !lora.empty() && lora[12 * l + 3 * i].size(0) > 0; };
     torch::Tensor qkv = qkv_proj(h);
+    add_lora(0, qkv, h);
     torch::Tensor qk = qkv.narrow(1, 0, (H + Hkv) * D).view({M, H + Hkv, D});
     rotary_impl<c10::BFloat16>(qk, cos, sin, positions);
     reshape_and_cache(qkv.narrow(1, H * D, Hkv * D).view({M, Hkv, D}),
@@ -2213,16 +2343,30 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
       paged_attention_impl<c10::BFloat16>(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc,
                                           scale, windows[l], q_chunk, /*skip_over=*/0, few_rows, block_over, key_part);
     }
-    torch::Tensor attn = o_proj(o.view({M, H * D}));
+    torch::Tensor attn_in = o.view({M, H * D});
+    torch::Tensor attn = o_proj(attn_in);
+    add_lora(1, attn, attn_in);
     add_rms_norm_impl<c10::BFloat16>(h, x, x, &attn, t[7], eps);
-    if (gate_up.kind == 0 && down.kind == 0 && gate_up.bias->numel() == 0 && down.bias->numel() == 0) {
+    const bool kernel_mlp = gate_up.kind == 0 && down.kind == 0 && gate_up.bias->numel() == 0 && down.bias->numel() == 0;
+    if (kernel_mlp && !has_lora(2) && !has_lora(3)) {
       // Both GEMVs, no biases: the model's bf16_silu_mlp, its SiLU-and-multiply included.
-      if (!mlp_out.defined()) mlp_out = torch::empty({M, hidden}, opts);
+      if (!mlp_out.defined() || mlp_out.size(0) != M) mlp_out = torch::empty({M, hidden}, opts);
       bf16_silu_mlp(mlp_out, h, *gate_up.weight, *down.weight);
+    } else if (kernel_mlp) {
+      // LoRA deltas between the GEMMs: the model's per-op MLP with adapters (the same
+      // kernels: silu_mul is bf16_silu_mlp's activation).
+      torch::Tensor gu = gate_up(h);
+      add_lora(2, gu, h);
+      torch::Tensor act = silu_mul(gu);
+      mlp_out = down(act);
+      add_lora(3, mlp_out, act);
     } else {
       // The model's eager `down(F.silu(gate) * up)`, through the same ATen ops.
       torch::Tensor gu = gate_up(h);
-      mlp_out = down(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I));
+      add_lora(2, gu, h);
+      torch::Tensor act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
+      mlp_out = down(act);
+      add_lora(3, mlp_out, act);
     }
   }
   // The last layer's `x + mlp(h)`, then the final norm of the rows that sample: the
@@ -2313,5 +2457,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, release());
   m.def("bf16_silu_mlp", &bf16_silu_mlp, release());
   m.def("bf16_decode_layers", &bf16_decode_layers, release());
+  m.def("lora_add", &lora_add, release());
+  m.def("silu_mul", &silu_mul, release());
   m.def("argmax_rows", &argmax_rows, release());
 }

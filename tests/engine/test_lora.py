@@ -131,28 +131,48 @@ def test_bad_adapters_are_refused_by_name(lora_setup, llm, tmp_path):
     assert "empty" not in loras.names()
 
 
-def test_bf16_steps_with_adapters_leave_the_fused_decode_call(lora_setup, monkeypatch):
-    """Where the C++ fused decode call runs (bf16 on AVX512-BF16), a step with LoRA rows takes
-    the per-layer forward instead: the adapter's tokens are those of the per-layer forward
-    for every step (fused decode off), and the base rows beside them are unchanged."""
+def test_bf16_adapters_run_in_the_fused_decode_call_and_are_batch_invariant(lora_setup, monkeypatch):
+    """bf16 on the C++ kernels (AVX512-BF16): the deltas are one C++ call per linear
+    (`lora_add`), in the per-layer forward and inside the fused decode call alike. Decode
+    steps with adapter rows run the fused call, given their deltas, with the tokens and
+    logprobs of the per-layer forward (fused off); each request's output is the same bits
+    alone and in one batch mixing the three adapters and the base; the adapters change the
+    tokens."""
     base, paths, prompt_ids, _ = lora_setup
-    llm = LLM(model=str(base), dtype="bfloat16", block_size=4, lora_modules=[f"full-r8={paths['full-r8']}"])
-    model = llm.engine_core.model
-    if model.fused_decode is None:
-        pytest.skip("the fused decode call does not run here (no AVX512-BF16 or bf16 C++ kernels)")
-    loras = llm.engine_core.loras
+    llm = LLM(model=str(base), dtype="bfloat16", block_size=4, enable_prefix_caching=False,
+              lora_modules=[f"{name}={path}" for name, path in paths.items()])
+    model, loras = llm.engine_core.model, llm.engine_core.loras
+    if model.fused_decode is None or not loras.kernel:
+        pytest.skip("the fused decode call and the C++ deltas do not run here (no AVX512-BF16)")
+    names = [None, *paths]
 
-    def generate() -> list[list[int]]:
-        llm.engine_core.block_manager.reset_prefix_cache()
-        params = [SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, lora_request=lora)
-                  for lora in (None, loras.request_for("full-r8"))]
-        return [o.outputs[0].token_ids for o in llm.generate([prompt_ids[0]] * 2, params)]
+    def params(name):
+        return SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=2,
+                              lora_request=None if name is None else loras.request_for(name))
 
-    fused = generate()
-    assert loras._logged_fused_fallback
+    def result(out):
+        c = out.outputs[0]
+        return c.token_ids, [sorted((t, lp.logprob) for t, lp in step.items()) for step in c.logprobs]
+
+    fused_type = type(model.fused_decode)
+    calls_with_lora = []
+    original = fused_type.__call__
+
+    def spy(self, *args, **kwargs):
+        calls_with_lora.append(kwargs.get("lora") is not None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(fused_type, "__call__", spy)
+    alone = {name: result(llm.generate([prompt_ids[0]], params(name))[0]) for name in names}
+    assert any(calls_with_lora), "decode steps with adapter rows should run the fused call with their deltas"
+    assert not loras._logged_fused_fallback
+    assert len({tuple(alone[name][0]) for name in names}) == len(names)
+    mixed = llm.generate([prompt_ids[0]] * len(names) + [prompt_ids[1]] * len(names), [params(n) for n in names] * 2)
+    for name, out in zip(names, mixed):
+        assert result(out) == alone[name], name
     monkeypatch.setattr(model, "fused_decode", None)
-    assert generate() == fused
-    assert fused[0] != fused[1]
+    for name in names:
+        assert result(llm.generate([prompt_ids[0]], params(name))[0]) == alone[name], name
 
 
 def test_beam_search_runs_its_beams_under_the_adapter(lora_setup, llm):
