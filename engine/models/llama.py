@@ -441,10 +441,12 @@ def _decode_kernel_runs(linear: nn.Module) -> bool:
     """Whether the fused decode call runs this linear as the per-op forward does: the bf16
     kernel (a `Linear` with a `kernel_weight`), torch's CPU int4 kernel (an `Int4Linear` in its
     layout) or the C++ int8 kernel (an `Int8Linear` with its packed copy and bf16 scales), bf16
-    biases."""
+    biases. Any other module (a GPTQ act-order `PermutedInputLinear`, which has no `bias` of its
+    own and permutes its input first) is not run there: the model keeps the per-op forward."""
     from engine.quantization.linears import Int8Linear
 
-    if linear.bias is not None and linear.bias.dtype != torch.bfloat16:
+    bias = getattr(linear, "bias", None)
+    if bias is not None and bias.dtype != torch.bfloat16:
         return False
     if type(linear) is Linear:
         return linear.kernel_weight is not None

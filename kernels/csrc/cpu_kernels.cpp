@@ -892,8 +892,15 @@ struct PartScratch {
   std::vector<uint16_t> weights; // [rows][stride]: e rounded to bf16 (an int8 cache: e x the value's scale)
   std::vector<uint32_t> keys;    // [HD/2][16]: one group of keys, transposed
   std::vector<uint32_t> values;  // [HD/16][pairs][16]
-  std::vector<uint16_t> widened; // an int8 cache: [16][HD], one group's keys widened to bf16
   std::vector<float> value_scales;  // an int8 cache: [stride], each key's value scale
+  std::vector<uint16_t> value_scale_bits;  // the same as bf16 bits, as read
+};
+
+// An item's query rows as int8, for the scores against an int8 cache (quantize_query_rows).
+struct QueryCodes {
+  const int8_t* codes = nullptr;     // [rows][HD]
+  const float* scales = nullptr;     // [rows]: each row's q_scale x the softmax scale
+  const int32_t* offsets = nullptr;  // [rows]: 128 x the sum of the row's codes (the key codes' u8 offset)
 };
 
 // A cache row's geometry on the invariant route, in the uint16 units KeyCursor walks: a bf16
@@ -905,10 +912,80 @@ struct CacheRow {
   static constexpr int64_t lines = (2 * units + 63) / 64;  // 64-byte lines from its start (2-byte aligned)
 };
 
-// An int8 row's scale (the bf16 after its HD codes) as a float.
+// sum16 on int32 lanes: lane j of the result is the sum of v[j]'s 16 lanes (exact).
+inline __m512i sum16_epi32(const __m512i* v) {
+  __m512i pair[8];
+  for (int i = 0; i < 8; ++i)
+    pair[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  __m512i quad[4];
+  for (int i = 0; i < 4; ++i)
+    quad[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(pair[2 * i], pair[2 * i + 1]),
+                               _mm512_unpackhi_epi64(pair[2 * i], pair[2 * i + 1]));
+  const __m512i xy = _mm512_add_epi32(_mm512_shuffle_i32x4(quad[0], quad[1], 0x88), _mm512_shuffle_i32x4(quad[0], quad[1], 0xDD));
+  const __m512i zw = _mm512_add_epi32(_mm512_shuffle_i32x4(quad[2], quad[3], 0x88), _mm512_shuffle_i32x4(quad[2], quad[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(xy, zw, 0x88), _mm512_shuffle_i32x4(xy, zw, 0xDD));
+}
+
+// The scores of 16 keys of an int8 cache for one int8 query row: per key the exact integer
+// dot of the row's codes and the key's (vpdpbusd takes the key codes as u8, flipped by 128:
+// `offset` = 128 x the row's code sum takes that back), then, as floats,
+// (dot x (q_scale x scale)) x k_scale. Integer sums are exact, so the transposed form below
+// gives the same bits.
 template <int64_t HD>
-inline float row_scale(const uint16_t* row) {
-  return bf16_to_float_bits(row[HD / 2]);
+inline __m512 q8_scores_16_keys(const int8_t* q, const int8_t* const* keys, __m512 row_scale, __m512i offset,
+                                __m512 key_scales) {
+  constexpr int64_t NC = HD / 64;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i qv[NC];
+  for (int64_t c = 0; c < NC; ++c) qv[c] = _mm512_loadu_si512(q + 64 * c);
+  __m512i dots[16];
+  for (int t = 0; t < 16; ++t) {
+    __m512i a = _mm512_setzero_si512();
+    for (int64_t c = 0; c < NC; ++c)
+      a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(_mm512_loadu_si512(keys[t] + 64 * c), flip), qv[c]);
+    dots[t] = a;
+  }
+  const __m512i sums = _mm512_sub_epi32(sum16_epi32(dots), offset);
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), row_scale), key_scales);
+}
+
+// The same scores with the 16 keys' code quads transposed (kt: [HD/4][16], flipped to u8):
+// one vpdpbusd per quad, the keys in the lanes.
+template <int64_t HD>
+inline __m512 q8_transposed_scores(const int8_t* q, const uint32_t* kt, __m512 row_scale, __m512i offset,
+                                   __m512 key_scales) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t p = 0; p < HD / 4; ++p) {
+    int32_t quad;
+    std::memcpy(&quad, q + 4 * p, sizeof(quad));
+    acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(kt + 16 * p), _mm512_set1_epi32(quad));
+  }
+  const __m512i sums = _mm512_sub_epi32(acc, offset);
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), row_scale), key_scales);
+}
+
+// An item's query rows as int8 for the scores against an int8 cache: per row, symmetric,
+// q_scale = absmax / 127 (float), codes = clamp(round_half_even(x / q_scale)); kept: the
+// codes, q_scale x scale, and 128 x the code sum. A row's codes depend on the row alone.
+template <int64_t HD, typename QRow>
+inline void quantize_query_rows(int8_t* all_codes, float* scales, int32_t* offsets, int64_t rows, float scale,
+                                const QRow& q_row) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* x = q_row(r);
+    float amax = 0.f;
+    for (int64_t d = 0; d < HD; ++d) amax = std::max(amax, std::fabs(bf16_to_float_bits(x[d])));
+    const float qs = amax / 127.f;
+    int8_t* codes = all_codes + r * HD;
+    int32_t sum = 0;
+    for (int64_t d = 0; d < HD; ++d) {
+      float y = qs > 0.f ? std::nearbyint(bf16_to_float_bits(x[d]) / qs) : 0.f;
+      y = y == y ? std::min(127.f, std::max(-127.f, y)) : 0.f;
+      codes[d] = static_cast<int8_t>(y);
+      sum += codes[d];
+    }
+    scales[r] = qs * scale;
+    offsets[r] = 128 * sum;
+  }
 }
 
 // 16 int8 codes widened to bf16 bits (exact: |q| <= 127 needs 7 bits of mantissa).
@@ -962,18 +1039,21 @@ inline void pair_values(const uint32_t* const* w, const uint32_t* vt, int64_t pa
   for (int r = 0; r < RT; ++r) done(r0 + r, acc[r]);
 }
 
-// An int8 cache (Q8): each group's 16 key rows are widened to bf16 once (exact) and take
-// the bf16 path's arithmetic, the score then times the key's scale: (dot x scale) x k_scale,
-// the same bits on the decode and the transposed path; a value's scale goes into its weight
-// (e x v_scale, rounded to bf16 as e alone would be), the sum l stays over e: the value sums
-// are then sum(bf16(e v_scale) x code), the codes widened exactly. No dequantized copy of the
-// cache is made: a group's 16 widened keys and the part's interleaved values are the scratch
-// the bf16 path prepares anyway.
+// An int8 cache (Q8): the scores are integer dot products, as llama.cpp scores its q8_0
+// cache: the item's query rows quantized to int8 once per part (per row, absmax / 127:
+// quantize_query_rows), each key's codes against them with vpdpbusd (AVX512-VNNI: 64 code
+// products per instruction, exact int32 sums, no widening of the keys), then as floats
+// (dot x (q_scale x scale)) x k_scale. Integer sums are exact in any order, so the decode
+// path (q8_scores_16_keys) and the transposed one (q8_transposed_scores) give the same bits.
+// A value's scale goes into its weight (e x v_scale, rounded to bf16 as e alone would be),
+// the sum l stays over e: the value sums are sum(bf16(e v_scale) x code), the codes widened
+// to bf16 exactly as the part's values are interleaved. No dequantized copy of the cache is
+// made.
 template <int64_t HD, bool Q8>
 void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const uint16_t* vb, const int32_t* table,
                             int64_t ctx, int64_t q_len, int64_t i0, int64_t i1, int64_t q_start, int64_t kvh, int64_t H,
                             int64_t Hkv, int64_t BS, float scale, int64_t window, int64_t key_lo, int64_t key_hi,
-                            float* partial, PartScratch<HD>& scratch) {
+                            float* partial, PartScratch<HD>& scratch, const QueryCodes& query_codes) {
   static_assert(HD % 32 == 0, "head dim: a multiple of 32");
   constexpr int64_t NV = HD / 16, NP = HD / 2;
   constexpr int64_t kUnits = CacheRow<HD, Q8>::units, kLines = CacheRow<HD, Q8>::lines;
@@ -983,13 +1063,13 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
   scratch.weights.resize(rows * stride);
   scratch.keys.resize(NP * 16);
   scratch.values.resize(NV * pairs * 16);
-  if constexpr (Q8) {
-    scratch.widened.resize(16 * HD);
-    scratch.value_scales.resize(stride);
-  }
   float* s = scratch.scores.data();
   const int64_t row_stride = Hkv * kUnits, head_offset = kvh * kUnits;
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);
+  if constexpr (Q8) {
+    scratch.value_scales.resize(stride);
+    scratch.value_scale_bits.resize(stride);
+  }
   prefetch_key_rows(kb, table, BS, row_stride, head_offset, key_lo, n, kLines);
   const __m512 vscale = _mm512_set1_ps(scale);
   auto q_row = [&](int64_t r) { return qb + item_row(q_start, i0, r, g, H, kvh) * HD; };
@@ -1000,18 +1080,28 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
     cursor.take(kp, 16);
     for (int64_t t = 0; t < 16; ++t)
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(vb + (kp[t] - kb) + 32 * c), _MM_HINT_T1);
-    __m512 key_scales;
-    if constexpr (Q8) {  // the group's codes widened to bf16 rows, their scales in 16 lanes
-      alignas(64) float ks[16];
-      uint16_t* wide = scratch.widened.data();
-      for (int64_t t = 0; t < 16; ++t) {
-        const int8_t* codes = reinterpret_cast<const int8_t*>(kp[t]);
-        for (int64_t c = 0; c < HD / 16; ++c)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + t * HD + 16 * c), int8x16_to_bf16_bits(codes + 16 * c));
-        ks[t] = row_scale<HD>(kp[t]);
-        kp[t] = wide + t * HD;
+    if constexpr (Q8) {  // integer dots of the int8 query rows and the key codes (see above)
+      alignas(32) uint16_t key_scale_bits[16];
+      for (int64_t t = 0; t < 16; ++t) key_scale_bits[t] = kp[t][HD / 2];
+      const __m512 key_scales = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(key_scale_bits))), 16));
+      const int8_t* codes[16];
+      for (int64_t t = 0; t < 16; ++t) codes[t] = reinterpret_cast<const int8_t*>(kp[t]);
+      if (rows >= kTransposeRows) {  // the group's code quads transposed once, the keys in the lanes
+        for (int64_t t = 0; t < 16; ++t) {
+          const uint32_t* src = reinterpret_cast<const uint32_t*>(codes[t]);
+          for (int64_t p = 0; p < HD / 4; ++p) kt[p * 16 + t] = src[p] ^ 0x80808080u;
+        }
       }
-      key_scales = _mm512_load_ps(ks);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* qr = query_codes.codes + r * HD;
+        const __m512 row_scale_v = _mm512_set1_ps(query_codes.scales[r]);
+        const __m512i offset = _mm512_set1_epi32(query_codes.offsets[r]);
+        _mm512_storeu_ps(s + r * stride + gi * 16,
+                         rows < kTransposeRows ? q8_scores_16_keys<HD>(qr, codes, row_scale_v, offset, key_scales)
+                                               : q8_transposed_scores<HD>(qr, kt, row_scale_v, offset, key_scales));
+      }
+      continue;
     }
     if (rows < kTransposeRows) {  // a decode: each row's dot products, reduced by sum16
       score_16_keys<HD>(q_row, rows, kp, s + gi * 16, stride, vscale);
@@ -1025,12 +1115,6 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
         _mm512_storeu_ps(s + r * stride + gi * 16,
                          transposed_scores<HD>(reinterpret_cast<const uint32_t*>(q_row(r)), kt, vscale));
     }
-    if constexpr (Q8) {
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sr = s + r * stride + gi * 16;
-        _mm512_storeu_ps(sr, _mm512_mul_ps(_mm512_loadu_ps(sr), key_scales));
-      }
-    }
   }
   // V interleaved by key pairs (a pair past the part's last key: zeros); an int8 cache's
   // codes widened to bf16, each key's scale kept for its weight.
@@ -1038,6 +1122,7 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
     KeyCursor cursor(vb, table, BS, row_stride, head_offset, key_lo, n);
     uint32_t* vt = scratch.values.data();
     float* value_scales = Q8 ? scratch.value_scales.data() : nullptr;
+    uint16_t* value_scale_bits = Q8 ? scratch.value_scale_bits.data() : nullptr;
     const __m256i zero = _mm256_setzero_si256();
     auto dims = [&](const uint16_t* row, int64_t c) {
       if (!row) return zero;
@@ -1055,15 +1140,20 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
         v1 = cursor.row();
         if (2 * j + 2 < n) cursor.next();
       }
-      if constexpr (Q8) {
-        value_scales[2 * j] = v0 ? row_scale<HD>(v0) : 0.f;
-        value_scales[2 * j + 1] = v1 ? row_scale<HD>(v1) : 0.f;
+      if constexpr (Q8) {  // the scales' bits, widened below
+        value_scale_bits[2 * j] = v0 ? v0[HD / 2] : 0;
+        value_scale_bits[2 * j + 1] = v1 ? v1[HD / 2] : 0;
       }
       for (int64_t c = 0; c < NV; ++c) {
         const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(dims(v0, c)),
                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(dims(v1, c)), 16));
         _mm512_storeu_si512(vt + (c * pairs + j) * 16, pair);
       }
+    }
+    if constexpr (Q8) {
+      for (int64_t k0 = 0; k0 < stride; k0 += 16)
+        _mm512_storeu_ps(value_scales + k0, _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value_scale_bits + k0))), 16)));
     }
   }
   // Per row: max, e (0 outside the row's keys), its sum; e rounded to bf16 for the values.
@@ -1081,8 +1171,13 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
       std::memset(wr, 0, stride * sizeof(uint16_t));
       continue;
     }
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t k = a; k < b; ++k) m = std::max(m, sr[k]);
+    // The row's largest score over its keys, 16 at a time (a maximum is exact in any order).
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t k0 = a; k0 < b; k0 += 16) {
+      const __mmask16 mk = b - k0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (b - k0)) - 1);
+      vmax = _mm512_mask_max_ps(vmax, mk, vmax, _mm512_maskz_loadu_ps(mk, sr + k0));
+    }
+    const float m = _mm512_reduce_max_ps(vmax);
     const __m512 vm = _mm512_set1_ps(m);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < stride; k0 += 16) {
@@ -1158,6 +1253,26 @@ void attention_invariant(const c10::BFloat16* q, const uint16_t* kc, const uint1
     }
   }
   first_part.push_back(static_cast<int64_t>(parts.size()));
+  // An int8 cache: each item's query rows quantized once (first, on the threads), read by its parts.
+  std::vector<int64_t> item_rows;  // items[i]'s rows start at row item_rows[i] of the codes
+  int64_t total_rows = 0;
+  for (const Item& w : items) {
+    item_rows.push_back(total_rows);
+    total_rows += (w.i1 - w.i0) * g;
+  }
+  thread_local std::vector<int8_t> query_codes;
+  thread_local std::vector<float> query_scales;
+  thread_local std::vector<int32_t> query_offsets;
+  if (Q8) {
+    query_codes.resize(total_rows * HD);
+    query_scales.resize(total_rows);
+    query_offsets.resize(total_rows);
+  }
+  // The calling thread's buffers, by pointer: inside the parallel region the names would
+  // be each thread's own thread_local.
+  int8_t* const q_codes = query_codes.data();
+  float* const q_scales = query_scales.data();
+  int32_t* const q_offsets = query_offsets.data();
   // Every part writes all of its rows' partials, so the buffer needs no clearing; kept per
   // thread across calls: a long prompt's partials (tens of MB per layer) would otherwise be
   // zero-filled and page-faulted in afresh at every layer.
@@ -1172,13 +1287,30 @@ void attention_invariant(const c10::BFloat16* q, const uint16_t* kc, const uint1
     // Per thread and kept across calls (the pool's threads persist): a step's every layer
     // would otherwise allocate the four buffers afresh on each thread.
     thread_local PartScratch<HD> scratch;
+    if (Q8) {
+#pragma omp for schedule(static)
+      for (int64_t it = 0; it < static_cast<int64_t>(items.size()); ++it) {
+        const Item& w = items[it];
+        const int64_t r0 = item_rows[it];
+        const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);
+        quantize_query_rows<HD>(q_codes + r0 * HD, q_scales + r0, q_offsets + r0,
+                                (w.i1 - w.i0) * g, sc, [&](int64_t r) {
+                                  return qb + item_row(qsl[w.seq], w.i0, r, g, H, w.h0) * HD;
+                                });
+      }
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_parts; ++i) {
       const PartWork& pt = parts[i];
       const Item& w = items[pt.item];
+      QueryCodes codes;
+      if (Q8) {
+        const int64_t r0 = item_rows[pt.item];
+        codes = {q_codes + r0 * HD, q_scales + r0, q_offsets + r0};
+      }
       attend_part_pairs_bf16<HD, Q8>(q, kc, vc, tables + w.seq * max_blocks, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0, w.i1,
                            qsl[w.seq], w.h0, H, Hkv, BS, sc, window, pt.key_lo, pt.key_hi,
-                           partials + pt.offset, scratch);
+                           partials + pt.offset, scratch, codes);
     }
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < n_items; ++it) {

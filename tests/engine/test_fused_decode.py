@@ -193,3 +193,15 @@ def test_a_quantized_head_stays_out_of_the_call():
     model.fused_decode = fused
     input_ids, positions, caches, meta = make_step(model, BATCHES["one decode"])
     assert model.decode_logits(input_ids, positions, caches, meta, get_ops("cpu", torch.device("cpu"))) is None
+
+
+def test_a_gptq_act_order_linear_keeps_the_per_op_forward():
+    """A GPTQ act-order checkpoint's linears permute their input first
+    (`PermutedInputLinear`, no `bias` of its own): the call does not run them, and building
+    it declines instead of failing the server's start-up (it raised AttributeError)."""
+    from engine.quantization.linears import PermutedInputLinear
+
+    model = make_model("llama", quantization="int4")
+    attn = model.model.layers[0].self_attn
+    attn.o_proj = PermutedInputLinear(torch.arange(model.args.num_attention_heads * model.args.head_dim), attn.o_proj)
+    assert FusedDecodeLayers.build(model) is None
