@@ -988,12 +988,6 @@ inline void quantize_query_rows(int8_t* all_codes, float* scales, int32_t* offse
   }
 }
 
-// 16 int8 codes widened to bf16 bits (exact: |q| <= 127 needs 7 bits of mantissa).
-inline __m256i int8x16_to_bf16_bits(const int8_t* p) {
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  return (__m256i)_mm512_cvtneps_pbh(f);
-}
-
 // sum16's tree, on 16 vectors whose lanes are keys: out = sum over j of L[j], added in the
 // order sum16 adds the 16 lanes of one key's vector (its unpack and shuffle stages, worked
 // out: lanes 4c..4c+3 as (L4c + L4c+2) + (L4c+1 + L4c+3), then (c0 + c1) + (c2 + c3)), so
@@ -1126,8 +1120,12 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
     const __m256i zero = _mm256_setzero_si256();
     auto dims = [&](const uint16_t* row, int64_t c) {
       if (!row) return zero;
-      if constexpr (Q8) return int8x16_to_bf16_bits(reinterpret_cast<const int8_t*>(row) + 16 * c);
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
+    };
+    auto int8x16_to_float = [&](const uint16_t* row, int64_t c) {  // an int8 row's codes [16c, 16c + 16)
+      if (!row) return _mm512_setzero_ps();
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const int8_t*>(row) + 16 * c))));
     };
     for (int64_t j = 0; j < pairs; ++j) {
       const uint16_t* v0 = nullptr;
@@ -1145,8 +1143,15 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
         value_scale_bits[2 * j + 1] = v1 ? v1[HD / 2] : 0;
       }
       for (int64_t c = 0; c < NV; ++c) {
-        const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(dims(v0, c)),
-                                             _mm512_slli_epi32(_mm512_cvtepu16_epi32(dims(v1, c)), 16));
+        __m512i pair;
+        if constexpr (Q8) {
+          // An int8 code as a float has 16 zero low bits: its bf16 is its float's high half,
+          // so the pair is v1's float bits with v0's high half shifted into the low half.
+          pair = _mm512_or_si512(_mm512_castps_si512(int8x16_to_float(v1, c)),
+                                 _mm512_srli_epi32(_mm512_castps_si512(int8x16_to_float(v0, c)), 16));
+        } else {
+          pair = _mm512_or_si512(_mm512_cvtepu16_epi32(dims(v0, c)), _mm512_slli_epi32(_mm512_cvtepu16_epi32(dims(v1, c)), 16));
+        }
         _mm512_storeu_si512(vt + (c * pairs + j) * 16, pair);
       }
     }
