@@ -369,18 +369,24 @@ class LoraManager:
 
     def _kernel_stack(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """For `lora_add`: this step's adapters' A of one linear stacked ([sum r, in]), their B
-        transposed and stacked ([sum r, out]), and each adapter's rank columns as offsets
-        ([G + 1], an adapter that does not target the linear an empty range); None when none
-        targets it."""
+        stacked in `vdpbf16ps`'s pair layout ([sum r / 2, 2 out]: pair j holds B[n][2j],
+        B[n][2j + 1] side by side for each output n), each adapter's rank padded to even with a
+        zero column, and each adapter's rank columns as offsets ([G + 1], an adapter that does
+        not target the linear an empty range); None when none targets it."""
         if key not in self._kernel_stacks:
             pairs = [adapter.device_weights.get(key) for adapter in self._kernel_adapters]
-            offsets = [0]
+            offsets, a_parts, b_parts = [0], [], []
             for pair in pairs:
-                offsets.append(offsets[-1] + (pair[0].shape[0] if pair is not None else 0))
-            present = [pair for pair in pairs if pair is not None]
-            self._kernel_stacks[key] = None if not present else (
-                torch.cat([a for a, _ in present]).contiguous(), torch.cat([b.t() for _, b in present]).contiguous(),
-                torch.tensor(offsets, dtype=torch.int64))
+                if pair is not None:
+                    a, b = pair
+                    if a.shape[0] % 2:  # a zero rank column: the pairs stay within one adapter
+                        a = torch.cat([a, a.new_zeros(1, a.shape[1])])
+                        b = torch.cat([b, b.new_zeros(b.shape[0], 1)], dim=1)
+                    a_parts.append(a)
+                    b_parts.append(b.t().reshape(a.shape[0] // 2, 2, b.shape[0]).transpose(1, 2).reshape(a.shape[0] // 2, -1))
+                offsets.append(offsets[-1] + (a_parts[-1].shape[0] if pair is not None else 0))
+            self._kernel_stacks[key] = None if not a_parts else (
+                torch.cat(a_parts).contiguous(), torch.cat(b_parts).contiguous(), torch.tensor(offsets, dtype=torch.int64))
         return self._kernel_stacks[key]
 
     def fused_tensors(self, num_layers: int) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -253,14 +253,15 @@ _EMPTY_BF16 = torch.empty(0, dtype=torch.bfloat16)  # no LM head: bf16_decode_la
 _EMPTY_ROWS = torch.empty(0, dtype=torch.int64)  # no LoRA rows
 
 
-def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, row_group: torch.Tensor,
+def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_pairs: torch.Tensor, row_group: torch.Tensor,
              offsets: torch.Tensor) -> None:
-    """`out[m] += (x[m] @ a[o0:o1].T) @ bt[o0:o1]` for each row m of adapter group
-    g = row_group[m] >= 0, [o0, o1) = offsets[g:g + 2] (csrc/cpu_kernels.cpp `lora_add_rows`):
-    bf16 out [M, N], x [M, K], a [R, K], bt [R, N]; the shrink kept in float32, each output
-    rounded once; a row's result depends on its own inputs only. Only where
-    `bf16_gemv_available()`."""
-    load().lora_add(out, x, a, bt, row_group, offsets)
+    """`out[m] += (x[m] @ a[o0:o1].T) @ B[:, o0:o1].T` for each row m of adapter group
+    g = row_group[m] >= 0, [o0, o1) = offsets[g:g + 2], even (csrc/cpu_kernels.cpp
+    `lora_add_rows`): bf16 out [M, N], x [M, K], a [R, K] and B in `vdpbf16ps`'s pair layout,
+    b_pairs [R/2, 2N] with b_pairs[j, 2n + i] = B[n, 2j + i]; the shrink's outputs rounded to
+    bf16 in pairs, each output's sum in float32, rounded once; a row's result depends on its
+    own inputs only. Only where `bf16_gemv_available()`."""
+    load().lora_add(out, x, a, b_pairs, row_group, offsets)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -2151,13 +2151,15 @@ inline float dot_bf16_any(const uint16_t* x, const uint16_t* y, int64_t n) {
 
 // LoRA deltas added into a linear's bf16 outputs (engine/lora.py), every adapter of the
 // step at once: row m of adapter group g = row_group[m] (-1: a base row, left as it is)
-// takes the group's rank columns [o0, o1) = [offsets[g], offsets[g + 1]) of the stacked
-// a [R, K] and bt [R, N] (each adapter's B transposed, its scale folded in):
-//   t_j = x_m . a_j  (dot_bf16_any),   out[m, n] = bf16(out[m, n] + sum_j t_j bt[j, n])
-// with t in float32 and one FMA chain per output over j in order, rounded once. A row's
-// result depends on its own x, out and adapter only: batch-invariant, and the per-op hook
-// and the fused decode call (bf16_decode_layers) run this same function.
-void lora_add_rows(uint16_t* out, const uint16_t* x, const uint16_t* a, const uint16_t* bt, const int64_t* row_group,
+// takes the group's rank columns [o0, o1) = [offsets[g], offsets[g + 1]) (even: each
+// adapter's rank padded to pairs) of the stacked a [R, K] and bp [R/2, 2N] (each adapter's
+// B, its scale folded in, in vdpbf16ps's pair layout: bp[j][2n + i] = B[n][2j + i]):
+//   t_j = x_m . a_j  (dot_bf16_any, float32),
+//   out[m, n] = bf16(out[m, n] + sum over pairs j of (bf16(t_2j), bf16(t_2j+1)) . bp[j][2n..2n+1])
+// one vdpbf16ps chain per output over the pairs in order, rounded once. A row's result
+// depends on its own x, out and adapter only: batch-invariant, and the per-op hook and the
+// fused decode call (bf16_decode_layers) run this same function.
+void lora_add_rows(uint16_t* out, const uint16_t* x, const uint16_t* a, const uint16_t* bp, const int64_t* row_group,
                    const int64_t* offsets, int64_t M, int64_t K, int64_t N) {
   auto one_row = [&](int64_t m) {
     const int64_t g = row_group[m];
@@ -2168,20 +2170,27 @@ void lora_add_rows(uint16_t* out, const uint16_t* x, const uint16_t* a, const ui
     const uint16_t* xm = x + m * K;
     for (int64_t j = 0; j < r; ++j) t[j] = dot_bf16_any(xm, a + (o0 + j) * K, K);
     uint16_t* om = out + m * N;
-    const uint16_t* b0 = bt + o0 * N;
+    const uint16_t* b0 = bp + o0 * N;  // pair j = o0 / 2 starts at j * 2N
+    uint32_t tp[kMaxLoraColumns / 2];  // t's pairs as bf16
+    for (int64_t j = 0; j < r / 2; ++j)
+      tp[j] = static_cast<uint32_t>(bf16_bits(t[2 * j])) | (static_cast<uint32_t>(bf16_bits(t[2 * j + 1])) << 16);
     for (int64_t n0 = 0; n0 < N; n0 += 64) {
       __m512 acc[4];
       __mmask16 mask[4];
+      __mmask32 pair_mask[4];
       for (int c = 0; c < 4; ++c) {
         const int64_t left = N - n0 - 16 * c;
         mask[c] = left >= 16 ? static_cast<__mmask16>(0xFFFF)
                              : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : static_cast<__mmask16>(0);
+        pair_mask[c] = left >= 16 ? static_cast<__mmask32>(0xFFFFFFFFu)
+                                  : left > 0 ? static_cast<__mmask32>((1ull << (2 * left)) - 1) : static_cast<__mmask32>(0);
         acc[c] = bf16x16_to_float(om + n0 + 16 * c, mask[c]);
       }
-      for (int64_t j = 0; j < r; ++j) {
-        const __m512 tj = _mm512_set1_ps(t[j]);
+      for (int64_t j = 0; j < r / 2; ++j) {
+        const __m512bh tj = (__m512bh)_mm512_set1_epi32(static_cast<int>(tp[j]));
+        const uint16_t* row = b0 + j * 2 * N + 2 * n0;
         for (int c = 0; c < 4; ++c)
-          acc[c] = _mm512_fmadd_ps(tj, bf16x16_to_float(b0 + j * N + n0 + 16 * c, mask[c]), acc[c]);
+          acc[c] = _mm512_dpbf16_ps(acc[c], tj, (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], row + 32 * c));
       }
       for (int c = 0; c < 4; ++c)
         if (mask[c]) _mm256_mask_storeu_epi16(om + n0 + 16 * c, mask[c], bf16_bits16(acc[c]));
@@ -2229,13 +2238,13 @@ void bf16_silu_mlp(const torch::Tensor& out, const torch::Tensor& x, const torch
 #endif
 }
 
-// out [M, N] += the LoRA deltas of its rows (lora_add_rows): x [M, K], a [R, K] and bt [R, N]
-// bfloat16, row_group [M] and offsets [G + 1] int64.
+// out [M, N] += the LoRA deltas of its rows (lora_add_rows): x [M, K], a [R, K] and bp
+// [R/2, 2N] (B in pairs) bfloat16, row_group [M] and offsets [G + 1] int64 (even).
 void lora_add(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt,
               const torch::Tensor& row_group, const torch::Tensor& offsets) {
   TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && a.dim() == 2 && bt.dim() == 2 && out.size(0) == x.size(0) &&
-                  a.size(1) == x.size(1) && bt.size(1) == out.size(1) && bt.size(0) == a.size(0),
-              "lora_add: out [M, N], x [M, K], a [R, K] and bt [R, N] expected");
+                  a.size(1) == x.size(1) && bt.size(1) == 2 * out.size(1) && 2 * bt.size(0) == a.size(0),
+              "lora_add: out [M, N], x [M, K], a [R, K] and b in pairs [R/2, 2N] expected");
   for (const torch::Tensor* t : {&out, &x, &a, &bt}) {
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous(), "lora_add: contiguous bfloat16 tensors expected");
   }
@@ -2246,8 +2255,9 @@ void lora_add(const torch::Tensor& out, const torch::Tensor& x, const torch::Ten
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t* groups = row_group.data_ptr<int64_t>();
   for (int64_t g = 0; g < G; ++g) {
-    TORCH_CHECK(0 <= off[g] && off[g] <= off[g + 1] && off[g + 1] <= R && off[g + 1] - off[g] <= 4096,
-                "lora_add: offsets must rise within [0, R], at most 4096 columns a group");
+    TORCH_CHECK(0 <= off[g] && off[g] <= off[g + 1] && off[g + 1] <= R && off[g + 1] - off[g] <= 4096 &&
+                    off[g] % 2 == 0 && off[g + 1] % 2 == 0,
+                "lora_add: offsets must rise within [0, R] in pairs (even), at most 4096 columns a group");
   }
   for (int64_t m = 0; m < row_group.numel(); ++m) {
     TORCH_CHECK(groups[m] >= -1 && groups[m] < G, "lora_add: row_group ", groups[m], " not in [-1, ", G, ")");

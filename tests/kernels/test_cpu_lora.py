@@ -1,7 +1,8 @@
 """The C++ LoRA delta (`cpu_kernels.lora_add`, engine/lora.py's bf16 CPU path): every row of a
 step gets its own adapter's `(x @ A^T) @ B^T` added, base rows (-1) none, an adapter that
 does not target the linear (an empty rank range) none; the result is the float64 reference
-rounded to bf16 within one rounding, and a row's bits do not depend on the other rows."""
+within the bf16 roundings (of the shrink's outputs and of the result), and a row's bits do
+not depend on the other rows."""
 
 from __future__ import annotations
 
@@ -15,12 +16,20 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_gemv_available(), reason="l
 K, N = 72, 100  # a K tail past 64 and an N tail past 96: the kernel's masked ends
 
 
+def in_pairs(bt: torch.Tensor) -> torch.Tensor:
+    """B^T [R, N] (R even) in the kernel's pair layout [R/2, 2N], as engine/lora.py stacks it."""
+    R, n = bt.shape
+    return bt.reshape(R // 2, 2, n).transpose(1, 2).reshape(R // 2, 2 * n).contiguous()
+
+
 def _case(M: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    ranks = [8, 0, 3]  # group 1 does not target this linear
-    offsets = torch.tensor([0, 8, 8, 11], dtype=torch.int64)
-    a = (torch.randn(sum(ranks), K, generator=g) / K**0.5).to(torch.bfloat16)
-    bt = (torch.randn(sum(ranks), N, generator=g) * 0.5).to(torch.bfloat16)
+    # Group 1 does not target this linear; group 2 has rank 3, padded with a zero column
+    # (engine/lora.py pads odd ranks so that the pairs stay within one adapter).
+    offsets = torch.tensor([0, 8, 8, 12], dtype=torch.int64)
+    a = (torch.randn(12, K, generator=g) / K**0.5).to(torch.bfloat16)
+    bt = (torch.randn(12, N, generator=g) * 0.5).to(torch.bfloat16)
+    a[11], bt[11] = 0, 0
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     out = torch.randn(M, N, generator=g).to(torch.bfloat16)
     rows = torch.tensor([(0, -1, 1, 2)[i % 4] for i in range(M)], dtype=torch.int64)
@@ -40,7 +49,7 @@ def _reference(out, x, a, bt, rows, offsets) -> torch.Tensor:
 def test_each_row_gets_its_own_adapters_delta(M: int) -> None:
     out, x, a, bt, rows, offsets = _case(M)
     before = out.clone()
-    cpu_kernels.lora_add(out, x, a, bt, rows, offsets)
+    cpu_kernels.lora_add(out, x, a, in_pairs(bt), rows, offsets)
     ref = _reference(before, x, a, bt, rows, offsets)
     assert torch.allclose(out.double(), ref, rtol=2**-7, atol=1e-2), (out.double() - ref).abs().max()
     untouched = (rows == -1) | (rows == 1)
@@ -51,19 +60,23 @@ def test_each_row_gets_its_own_adapters_delta(M: int) -> None:
 def test_a_rows_bits_do_not_depend_on_the_other_rows() -> None:
     out, x, a, bt, rows, offsets = _case(9)
     together = out.clone()
-    cpu_kernels.lora_add(together, x, a, bt, rows, offsets)
+    bp = in_pairs(bt)
+    cpu_kernels.lora_add(together, x, a, bp, rows, offsets)
     for m in range(9):
         alone = out[m:m + 1].clone()
-        cpu_kernels.lora_add(alone, x[m:m + 1].contiguous(), a, bt, rows[m:m + 1].contiguous(), offsets)
+        cpu_kernels.lora_add(alone, x[m:m + 1].contiguous(), a, bp, rows[m:m + 1].contiguous(), offsets)
         assert torch.equal(alone[0], together[m]), m
 
 
 def test_bad_groups_are_refused() -> None:
     out, x, a, bt, rows, offsets = _case(2)
+    bp = in_pairs(bt)
     with pytest.raises(RuntimeError, match="row_group 3 not in"):
-        cpu_kernels.lora_add(out, x, a, bt, torch.tensor([0, 3]), offsets)
+        cpu_kernels.lora_add(out, x, a, bp, torch.tensor([0, 3]), offsets)
     with pytest.raises(RuntimeError, match="offsets must rise"):
-        cpu_kernels.lora_add(out, x, a, bt, rows, torch.tensor([0, 12], dtype=torch.int64))
+        cpu_kernels.lora_add(out, x, a, bp, rows, torch.tensor([0, 14], dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="in pairs"):
+        cpu_kernels.lora_add(out, x, a, bp, rows, torch.tensor([0, 3, 12], dtype=torch.int64))
 
 
 def test_silu_mul_is_bf16_silu_mlps_activation() -> None:
