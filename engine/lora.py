@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kernels import cpu_kernels
+
 if TYPE_CHECKING:
     from engine.config import LoraConfig
     from engine.models.args import ModelArgs
@@ -202,8 +204,6 @@ class LoraManager:
         self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
         self.num_requests: dict[str, int] = {}
         """Requests admitted per adapter name (the server's per-adapter counters read it)."""
-        from kernels import cpu_kernels
-
         self.kernel = device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.bf16_gemv_available()
         """Whether the deltas run the C++ `lora_add` (and the fused decode call takes them)."""
         self.kernel_rows: torch.Tensor | None = None
@@ -342,8 +342,6 @@ class LoraManager:
             if self.kernel_rows is not None and x.dtype == torch.bfloat16:  # the C++ deltas, every row at once
                 stack = self._kernel_stack(key)
                 if stack is not None:
-                    from kernels import cpu_kernels
-
                     out = out if out.is_contiguous() else out.contiguous()
                     cpu_kernels.lora_add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]).contiguous(),
                                          *stack[:2], self.kernel_rows, stack[2])

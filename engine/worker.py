@@ -384,12 +384,11 @@ def _architecture(model_path: Path) -> str:
 
 def _check_kv_cache_dtype(spec: KVCacheSpec, kv_cache_dtype: str, backend: str) -> None:
     """Refuse a quantized KV cache this process cannot hold: FP8 without a kernel that
-    writes E4M3 (the C++ CPU kernels have none), an odd head dim (the row's 2-byte scale)."""
+    writes E4M3 (the C++ CPU kernels have none). (An odd head dim, which leaves the row's
+    2-byte scale unaligned, is refused by `spec.row_width` as the cache is sized.)"""
     if kv_cache_dtype == "fp8" and backend == "cpu":
         raise ValueError("--kv-cache-dtype fp8 runs on CUDA (Triton) or the torch backend; the C++ CPU kernels "
                          "read int8 KV caches: use --kv-cache-dtype int8 on CPU")
-    if spec.quantized and spec.head_dim % 2:
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} needs an even head_dim, the model has {spec.head_dim}")
 
 
 def _max_model_len(requested: int | None, args: ModelArgs) -> int:

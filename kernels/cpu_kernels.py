@@ -328,7 +328,7 @@ def paged_attention(
         out = torch.empty_like(query)
     window = int(sliding_window or 0)
     few_rows = few_rows_q_chunk(query, key_cache.shape[2])
-    if key_cache.dtype != query.dtype and kv_quant.is_quantized(key_cache):
+    if kv_quant.is_quantized(key_cache):
         if not (few_rows and key_cache.dtype == torch.int8):
             return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                              scale, out, sliding_window=sliding_window)

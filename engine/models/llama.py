@@ -271,15 +271,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
-        if (self.act is F.silu and type(gate_up) is Linear and type(down) is Linear and gate_up.kernel_runs(x)
-                and down.kernel_weight is not None and gate_up.bias is None and down.bias is None
-                and (self.lora is None or not self.lora.active)):  # the one C++ call has no LoRA hook points
+        kernel_mlp = (self.act is F.silu and type(gate_up) is Linear and gate_up.kernel_runs(x)
+                      and down.kernel_weight is not None)
+        lora_rows = self.lora is not None and self.lora.active
+        if (kernel_mlp and type(down) is Linear and gate_up.bias is None and down.bias is None
+                and not lora_rows):  # the one C++ call has no LoRA hook points
             # bf16 rows where both linears run the C++ kernel: the whole MLP in one C++ call, at
             # any row count (its SiLU-and-multiply is one arithmetic for every row: batch-
             # invariant; the eager ops below round the same way, their float exp is torch's).
             return bf16_silu_mlp(x, gate_up.kernel_weight, down.kernel_weight)
-        if (self.act is F.silu and self.lora is not None and self.lora.kernel and self.lora.active
-                and type(gate_up) is Linear and gate_up.kernel_runs(x) and down.kernel_weight is not None):
+        if kernel_mlp and lora_rows and self.lora.kernel:
             # A step with LoRA rows on the C++ kernels: the linears' hooks add their deltas
             # (`lora_add`) around the activation bf16_silu_mlp computes (as the fused decode call).
             from kernels.cpu_kernels import silu_mul

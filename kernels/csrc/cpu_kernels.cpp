@@ -54,6 +54,13 @@ inline float bf16_to_float_bits(uint16_t b) {
   return f;
 }
 
+// x's symmetric int8 code on the grid `scale`: clamp(round_half_even(x / scale), -127, 127)
+// (a true division, as torch's), 0 where the scale is 0 or x is NaN.
+inline int8_t int8_code(float x, float scale) {
+  const float y = scale > 0.f ? std::nearbyint(x / scale) : 0.f;
+  return static_cast<int8_t>(y == y ? std::min(127.f, std::max(-127.f, y)) : 0.f);
+}
+
 // Store x as T at dst[i].
 inline void store(float* dst, int64_t i, float x) { dst[i] = x; }
 inline void store(c10::BFloat16* dst, int64_t i, float x) { reinterpret_cast<uint16_t*>(dst)[i] = bf16_bits(x); }
@@ -977,12 +984,7 @@ inline void quantize_query_rows(int8_t* all_codes, float* scales, int32_t* offse
     const float qs = amax / 127.f;
     int8_t* codes = all_codes + r * HD;
     int32_t sum = 0;
-    for (int64_t d = 0; d < HD; ++d) {
-      float y = qs > 0.f ? std::nearbyint(bf16_to_float_bits(x[d]) / qs) : 0.f;
-      y = y == y ? std::min(127.f, std::max(-127.f, y)) : 0.f;
-      codes[d] = static_cast<int8_t>(y);
-      sum += codes[d];
-    }
+    for (int64_t d = 0; d < HD; ++d) sum += codes[d] = int8_code(bf16_to_float_bits(x[d]), qs);
     scales[r] = qs * scale;
     offsets[r] = 128 * sum;
   }
@@ -1346,6 +1348,20 @@ void attention_invariant(const c10::BFloat16* q, const uint16_t* kc, const uint1
 }
 #endif
 
+// attention_invariant at the head dims it is compiled for (64, 128, 256); false for another.
+template <bool Q8>
+bool attention_invariant_dims(int64_t D, const c10::BFloat16* q, const uint16_t* kc, const uint16_t* vc,
+                              const int32_t* tables, int64_t max_blocks, c10::BFloat16* o, const int32_t* lens,
+                              const int32_t* qsl, int64_t S, int64_t H, int64_t Hkv, int64_t BS, double scale,
+                              int64_t window, int64_t q_chunk, int64_t key_part) {
+  switch (D) {
+    case 64: attention_invariant<64, Q8>(q, kc, vc, tables, max_blocks, o, lens, qsl, S, H, Hkv, BS, scale, window, q_chunk, key_part); return true;
+    case 128: attention_invariant<128, Q8>(q, kc, vc, tables, max_blocks, o, lens, qsl, S, H, Hkv, BS, scale, window, q_chunk, key_part); return true;
+    case 256: attention_invariant<256, Q8>(q, kc, vc, tables, max_blocks, o, lens, qsl, S, H, Hkv, BS, scale, window, q_chunk, key_part); return true;
+    default: return false;
+  }
+}
+
 template <typename T>
 void paged_attention_impl(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                           const torch::Tensor& value_cache, const torch::Tensor& block_tables,
@@ -1366,12 +1382,9 @@ void paged_attention_impl(const torch::Tensor& out, const torch::Tensor& query, 
       const auto* kp = reinterpret_cast<const uint16_t*>(key_cache.data_ptr<c10::BFloat16>());
       const auto* vp = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<c10::BFloat16>());
       auto* op = out.data_ptr<c10::BFloat16>();
-#define PAGODA_INVARIANT(HD) \
-  attention_invariant<HD, false>(qp, kp, vp, tables, max_blocks, op, lens, qsl, S, H, Hkv, BS, scale, window, q_chunk, key_part)
-      if (D == 64) { PAGODA_INVARIANT(64); return; }
-      if (D == 128) { PAGODA_INVARIANT(128); return; }
-      if (D == 256) { PAGODA_INVARIANT(256); return; }
-#undef PAGODA_INVARIANT
+      if (attention_invariant_dims<false>(D, qp, kp, vp, tables, max_blocks, op, lens, qsl, S, H, Hkv, BS, scale, window,
+                                          q_chunk, key_part))
+        return;
     }
   }
 #endif
@@ -1499,12 +1512,9 @@ void paged_attention_int8(const torch::Tensor& out, const torch::Tensor& query, 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t max_blocks = block_tables.size(1);
-#define PAGODA_INVARIANT_Q8(HD) \
-  attention_invariant<HD, true>(qp, kp, vp, tables, max_blocks, op, lens, qsl, S, H, Hkv, BS, scale, window, q_chunk, key_part)
-  if (D == 64) { PAGODA_INVARIANT_Q8(64); return; }
-  if (D == 128) { PAGODA_INVARIANT_Q8(128); return; }
-  if (D == 256) { PAGODA_INVARIANT_Q8(256); return; }
-#undef PAGODA_INVARIANT_Q8
+  if (attention_invariant_dims<true>(D, qp, kp, vp, tables, max_blocks, op, lens, qsl, S, H, Hkv, BS, scale, window,
+                                     q_chunk, key_part))
+    return;
   TORCH_CHECK(false, "paged_attention: an int8 KV cache needs head dim 64, 128 or 256, got ", D);
 #else
   TORCH_CHECK(false, "paged_attention: an int8 KV cache needs a CPU with AVX512-BF16 (this build has none)");
@@ -1563,11 +1573,7 @@ void quantize_row_int8(const T* __restrict x, int8_t* __restrict dst, int64_t D)
   for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
   const uint16_t bits = bf16_bits(amax / 127.f);
   const float scale = bf16_to_float_bits(bits);
-  for (int64_t d = 0; d < D; ++d) {
-    float y = scale > 0.f ? std::nearbyint(static_cast<float>(x[d]) / scale) : 0.f;
-    y = y == y ? std::min(127.f, std::max(-127.f, y)) : 0.f;  // NaN input: code 0
-    dst[d] = static_cast<int8_t>(y);
-  }
+  for (int64_t d = 0; d < D; ++d) dst[d] = int8_code(static_cast<float>(x[d]), scale);
   std::memcpy(dst + D, &bits, sizeof(bits));
 }
 
@@ -2466,14 +2472,12 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     // A step with LoRA rows: after each linear, its rows' adapter deltas (lora_add, as the
     // per-op forward's hooks add them): `lora` holds a, bt, offsets per linear and layer
     // (12 per layer; a linear no adapter of the step targets has an empty a).
-    auto add_lora = [&](int i, torch::Tensor& y, const torch::Tensor& in) {
-      if (lora.empty()) return false;
-      const torch::Tensor* t = &lora[12 * l + 3 * i];
-      if (t[0].size(0) == 0) return false;
-      lora_add(y, in, t[0], t[1], lora_rows, t[2]);
-      return true;
-    };
     auto has_lora = [&](int i) { return !lora.empty() && lora[12 * l + 3 * i].size(0) > 0; };
+    auto add_lora = [&](int i, torch::Tensor& y, const torch::Tensor& in) {
+      if (!has_lora(i)) return;
+      const torch::Tensor* t = &lora[12 * l + 3 * i];
+      lora_add(y, in, t[0], t[1], lora_rows, t[2]);
+    };
     torch::Tensor qkv = qkv_proj(h);
     add_lora(0, qkv, h);
     torch::Tensor qk = qkv.narrow(1, 0, (H + Hkv) * D).view({M, H + Hkv, D});
