@@ -11,7 +11,9 @@ C++ CPU kernels, bf16, on a tiny random Llama (head dim 64):
   quantize and dequantize the rows in torch (a gross check: a misread scale or code would
   be far off; the kernels' exactness is tests/kernels/test_cpu_kv_int8.py's);
 - FP8 is refused on the C++ kernels with a message naming the alternatives, and runs on the
-  torch backend.
+  torch backend;
+- in float32 the int8 rows are read through the reference attention (said at start-up),
+  with the torch backend's tokens.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ def target():
 
 
 def engine(folder, **args) -> LLM:
-    return LLM(str(folder), dtype="bfloat16", kv_cache_memory=0.02, max_model_len=256,
-               **({"kv_cache_dtype": "int8", "enable_prefix_caching": False} | args))
+    return LLM(str(folder), kv_cache_memory=0.02, max_model_len=256,
+               **({"dtype": "bfloat16", "kv_cache_dtype": "int8", "enable_prefix_caching": False} | args))
 
 
 def test_the_same_memory_holds_1_94x_the_tokens(folder, default_model_path):
@@ -156,3 +158,22 @@ def test_fp8_is_refused_on_the_cpu_kernels_and_runs_on_the_torch_backend(folder,
     llm.shutdown()
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
         engine(folder, kv_cache_dtype="int4")
+
+
+def test_float32_reads_the_int8_cache_through_the_reference_and_says_so(folder, target):
+    """float32 queries: the C++ kernel reads int8 rows with bf16 queries only, so the C++
+    backend writes the rows (bit for bit the reference's quantization) and attends through
+    the reference, which dequantizes what it gathers: the torch backend's tokens, and its
+    logprobs within float32 rounding (the two backends' norm and RoPE ops round apart), and
+    the start-up facts name the slower path."""
+    cpp = engine(folder, dtype="float32")
+    assert "through the torch reference attention" in cpp.engine_core.worker.facts()["kv_cache"]
+    ref = engine(folder, dtype="float32", kernel_backend="torch")
+    prompt = target[:60]
+    (got_tokens, got_lps), (want_tokens, want_lps) = (result(e.generate([prompt], GREEDY)[0]) for e in (cpp, ref))
+    assert got_tokens == want_tokens
+    for got, want in zip(got_lps, want_lps):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(got, want))
+    for llm in (cpp, ref):
+        llm.shutdown()
