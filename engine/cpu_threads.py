@@ -14,6 +14,13 @@ the fewest of:
 `--cpu-threads N` sets it by hand; an explicit `OMP_NUM_THREADS` is kept as well. The choice
 and why is a start-up fact (`cpu_threads: ...`). Tensor-parallel ranks on one machine split
 the count (engine/distributed/parallel_state.py).
+
+Pagoda's C++ kernels run their loops on a work pool of their own (kernels/csrc/work_pool.h);
+torch's own ops run on OpenMP's team, whose idle threads by default spin for ~300,000
+pauses (milliseconds) after every parallel op, on the cores the pool's threads need (a
+bf16 GEMV after one parallel torch op took 1.5x as long). `pagoda` therefore starts with
+OMP_WAIT_POLICY=passive (server/cli.py `prefer_passive_openmp`, before torch loads; a value
+the user set is kept): torch's idle threads sleep at once, each parallel torch op pays a wake-up instead.
 """
 
 from __future__ import annotations
@@ -72,9 +79,15 @@ def choose_cpu_threads(requested: int | None, world_size: int = 1) -> tuple[int,
     return cpus, why
 
 
+def openmp_wait_policy() -> str:
+    """What torch's OpenMP threads do while idle, for the start-up fact."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return f"OMP_WAIT_POLICY={policy}" if policy else "OMP_WAIT_POLICY unset: torch's idle OpenMP threads spin"
+
+
 def apply_cpu_threads(requested: int | None) -> str:
     """Set this process's kernel threads (call it on the thread that runs the kernels,
     before the model loads) and return the start-up fact."""
     n, why = choose_cpu_threads(requested)
     torch.set_num_threads(n)
-    return f"{n} ({why})"
+    return f"{n} ({why}; {openmp_wait_policy()})"

@@ -51,6 +51,7 @@ from kernels import kv_quant, reference
 logger = logging.getLogger("pagoda.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+HEADERS = [Path(__file__).parent / "csrc" / "work_pool.h"]  # included by SOURCE: part of its build's name
 # Up to this many new tokens a sequence's attention runs in the C++ kernel; longer full-
 # attention chunks go to torch's flash kernel (see the module docstring).
 SHORT_CHUNK = 16
@@ -72,6 +73,11 @@ BLOCK_MIN_ROWS = 16
 KEY_PART = 128
 # Query tokens per work item on the invariant route (any value gives the same bits).
 INVARIANT_Q_CHUNK = 32
+
+# PAGODA_CPU_LOOPS=openmp runs the kernels' parallel loops on OpenMP's team instead of the
+# work pool (csrc/work_pool.h): the kernels as they were before the pool, for A/B benchmarks
+# (loadtest/bench_noise.py's `pagoda-openmp`). Unset (the default): the work pool.
+LOOPS_ENV = "PAGODA_CPU_LOOPS"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -116,7 +122,7 @@ def load() -> ModuleType | None:
                 _put_ninja_on_path()
                 from torch.utils import cpp_extension
 
-                digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+                digest = hashlib.sha256(b"".join(p.read_bytes() for p in [SOURCE, *HEADERS])).hexdigest()[:10]
                 module = cpp_extension.load(
                     name=f"pagoda_cpu_kernels_{digest}_{_cpu_fingerprint()}",
                     sources=[str(SOURCE)],
@@ -126,6 +132,10 @@ def load() -> ModuleType | None:
                 )
             except Exception as e:  # a missing compiler or ninja, a failed build: run the reference
                 reason = f"could not build the CPU kernels ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e})"
+        if module is not None and os.environ.get(LOOPS_ENV) == "openmp":
+            module.set_openmp_loops(True)
+            logger.warning("%s=openmp: the CPU kernels' loops run on OpenMP's fork-join team, not the work pool "
+                           "(for A/B benchmarks: slower next to other work)", LOOPS_ENV)
         _state["module"], _state["reason"] = module, reason
         if reason:
             logger.warning("%s; running the torch reference ops on CPU (slower)", reason)

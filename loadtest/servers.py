@@ -10,6 +10,9 @@ answers 200. Peers, on the same model files as Pagoda:
   without one), so requests name the folder as the model.
 - llama-cpp-python's server (``python -m llama_cpp.server``) on the model's GGUF file,
   when ``llama_cpp`` is importable and a GGUF file is found.
+- llama.cpp's own C++ server (``llama-server``) on a GGUF file, when the binary is on PATH
+  or given (``--llama-server PATH`` or ``PAGODA_LLAMA_SERVER``); the README's benchmark
+  section has the build recipe. Continuous batching over ``-np`` slots, ``-t`` threads.
 - vLLM's CPU build (``python -m vllm.entrypoints.openai.api_server``) on the model folder,
   when its Python is given (``--vllm-python`` or ``PAGODA_VLLM_PYTHON``): it lives in a venv
   of its own (its torch differs from Pagoda's; the README's benchmark section has the
@@ -125,6 +128,35 @@ def llama_cpp_spec(gguf_path: Path | None, extra_args: list[str] = ()) -> Server
            "--host", "127.0.0.1", "--port", PORT, "--n_ctx", "4096",
            "--n_threads", str(os.cpu_count() or 1), "--interrupt_requests", "false", *extra_args]
     return ServerSpec(name, cmd, model=gguf_path.stem, ready_paths=("/v1/models",))
+
+
+LLAMA_SERVER_ENV = "PAGODA_LLAMA_SERVER"
+
+
+def find_llama_server(binary: str | None = None) -> str | None:
+    """The llama-server binary: `binary`, else $PAGODA_LLAMA_SERVER, else `llama-server` on PATH."""
+    candidate = binary or os.environ.get(LLAMA_SERVER_ENV)
+    if candidate:
+        return candidate if Path(candidate).is_file() else None
+    return shutil.which("llama-server")
+
+
+def llama_server_spec(gguf_path: Path | None, binary: str | None = None, threads: int | None = None,
+                      parallel: int = 32, ctx_per_slot: int = 512, extra_args: list[str] = (),
+                      env: dict[str, str] | None = None) -> ServerSpec | Skipped:
+    """llama.cpp's `llama-server` on `gguf_path`: `parallel` slots of `ctx_per_slot` tokens
+    each (continuous batching), `threads` for generation and batches (default: the CPUs)."""
+    name = "llama.cpp (llama-server)"
+    exe = find_llama_server(binary)
+    if exe is None:
+        return Skipped(name, f"no llama-server binary (on PATH, --llama-server PATH or {LLAMA_SERVER_ENV}; "
+                             "the README's benchmark section builds it)")
+    if gguf_path is None or not gguf_path.is_file():
+        return Skipped(name, "no GGUF file of the model")
+    n = str(threads or os.cpu_count() or 1)
+    cmd = [exe, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", PORT, "-t", n, "-tb", n,
+           "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "--cont-batching", "--no-webui", *extra_args]
+    return ServerSpec(name, cmd, model=gguf_path.stem, env=dict(env or {}), ready_paths=("/health",))
 
 
 VLLM_PYTHON_ENV = "PAGODA_VLLM_PYTHON"

@@ -361,7 +361,18 @@ def run_worker_rank(ns: argparse.Namespace) -> int:
     return 0
 
 
+def prefer_passive_openmp() -> None:
+    """OMP_WAIT_POLICY=passive for this process unless the user set it: torch's idle OpenMP
+    threads then sleep at once instead of spinning on the cores the C++ kernels' work pool
+    needs (engine/cpu_threads.py says why). Not with PAGODA_CPU_LOOPS=openmp (the kernels as
+    they were before the pool, for A/B benchmarks). Takes effect only before torch (its
+    libgomp) loads, so `main` calls it first; this module imports no torch at the top."""
+    if os.environ.get("PAGODA_CPU_LOOPS") != "openmp" and "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+
 def main(argv: list[str] | None = None) -> int:
+    prefer_passive_openmp()  # before anything loads torch
     parser = build_parser()
     try:
         ns = parse_serve_args(parser, argv)

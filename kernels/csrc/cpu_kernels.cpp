@@ -34,7 +34,60 @@
 
 #include <vector>
 
+#include "work_pool.h"
+
 namespace {
+
+// Every parallel loop of these kernels runs on the work pool (work_pool.h: chunks claimed
+// by whichever threads are running, so a descheduled thread stalls nothing). True: on
+// OpenMP's fork-join team instead, as the kernels ran before the pool; only for A/B
+// benchmarks of the two (`set_openmp_loops`, loadtest/bench_noise.py).
+std::atomic<bool> g_openmp_loops{false};
+
+// The kernels' thread count: set by `set_kernel_threads` (engine/cpu_threads.py, from the
+// CPUs this process can get); 0 (unset) follows torch's at::get_num_threads().
+std::atomic<int> g_kernel_threads{0};
+
+inline int kernel_threads() {
+  const int n = g_kernel_threads.load(std::memory_order_relaxed);
+  return n > 0 ? n : at::get_num_threads();
+}
+
+// body(i) for every i in [0, n), on up to `threads` threads, chunks claimed dynamically.
+template <typename Body>
+inline void parallel_chunks(int64_t n, const Body& body, int64_t threads = kernel_threads()) {
+  threads = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+  if (g_openmp_loops.load(std::memory_order_relaxed)) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  pagoda::WorkPool::instance().run(
+      n, static_cast<int>(threads), [](void* b, int64_t i) { (*static_cast<const Body*>(b))(i); },
+      const_cast<void*>(static_cast<const void*>(&body)));
+}
+
+// body(lo, hi) over [0, units) in contiguous ranges of at most about `max_piece` units,
+// claimed dynamically; as many ranges as a multiple of the threads, of near-equal size, so
+// that on a quiet machine every thread does the same share (9 pieces on 2 threads left one
+// thread 5 and cost ~10%). Under OpenMP: one contiguous range per thread, the split the
+// kernels had before the pool.
+template <typename Body>
+inline void parallel_ranges(int64_t units, int64_t max_piece, const Body& body) {
+  if (units <= 0) return;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(kernel_threads(), units));
+  if (g_openmp_loops.load(std::memory_order_relaxed)) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      body(units * t / nt, units * (t + 1) / nt);
+    }
+    return;
+  }
+  const int64_t per_thread = (units + threads * std::max<int64_t>(1, max_piece) - 1) / (threads * std::max<int64_t>(1, max_piece));
+  const int64_t n = std::min(units, threads * per_thread);
+  parallel_chunks(n, [&](int64_t c) { body(units * c / n, units * (c + 1) / n); }, threads);
+}
 
 
 // float -> bf16 bits, rounding to nearest even (NaN stays a quiet NaN), branch-free so the
@@ -778,7 +831,7 @@ bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, con
                      const c10::BFloat16* vc, const int32_t* tables, int64_t max_blocks, c10::BFloat16* o,
                      const int32_t* lens, const int32_t* qsl, int64_t H, int64_t Hkv, int64_t BS, double scale,
                      int64_t window, int64_t few_rows) {
-  const int threads = at::get_num_threads();
+  const int threads = kernel_threads();
   const int64_t n_items = static_cast<int64_t>(items.size()), g = H / Hkv;
   if (threads < 2 || n_items == 0 || n_items >= 2 * threads) return false;
   struct Part { int64_t item, key0, keys, offset; };
@@ -801,18 +854,14 @@ bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, con
   std::vector<float> partials(floats);
   const int64_t n_parts = static_cast<int64_t>(parts.size());
   const float sc = static_cast<float>(scale);
-#pragma omp parallel num_threads(std::min<int64_t>(threads, n_parts))
-  {
-    std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_parts; ++i) {
-      const Part& pt = parts[i];
-      const Item& w = items[pt.item];
-      attend_rows_bf16<HD>(q, kc, vc, tables + w.seq * max_blocks, o, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0,
-                           w.i1, qsl[w.seq], w.h0, H, Hkv, BS, sc, window, scratch, pt.key0, pt.keys,
-                           partials.data() + pt.offset);
-    }
-  }
+  parallel_chunks(n_parts, [&](int64_t i) {
+    thread_local std::vector<float> scratch;
+    const Part& pt = parts[i];
+    const Item& w = items[pt.item];
+    attend_rows_bf16<HD>(q, kc, vc, tables + w.seq * max_blocks, o, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0,
+                         w.i1, qsl[w.seq], w.h0, H, Hkv, BS, sc, window, scratch, pt.key0, pt.keys,
+                         partials.data() + pt.offset);
+  });
   // Merge each item's parts (they are adjacent in `parts`), row by row.
   uint16_t* ob = reinterpret_cast<uint16_t*>(o);
   for (int64_t i = 0; i < n_parts;) {
@@ -1288,63 +1337,54 @@ void attention_invariant(const c10::BFloat16* q, const uint16_t* kc, const uint1
   float* const partials = partial_buffer.data();
   const int64_t n_parts = static_cast<int64_t>(parts.size()), n_items = static_cast<int64_t>(items.size());
   const float sc = static_cast<float>(scale);
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_parts)));
-#pragma omp parallel num_threads(threads)
-  {
+  if (Q8) {
+    parallel_chunks(n_items, [&](int64_t it) {
+      const Item& w = items[it];
+      const int64_t r0 = item_rows[it];
+      const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);
+      quantize_query_rows<HD>(q_codes + r0 * HD, q_scales + r0, q_offsets + r0, (w.i1 - w.i0) * g, sc,
+                              [&](int64_t r) { return qb + item_row(qsl[w.seq], w.i0, r, g, H, w.h0) * HD; });
+    });
+  }
+  parallel_chunks(n_parts, [&](int64_t i) {
     // Per thread and kept across calls (the pool's threads persist): a step's every layer
     // would otherwise allocate the four buffers afresh on each thread.
     thread_local PartScratch<HD> scratch;
+    const PartWork& pt = parts[i];
+    const Item& w = items[pt.item];
+    QueryCodes codes;
     if (Q8) {
-#pragma omp for schedule(static)
-      for (int64_t it = 0; it < static_cast<int64_t>(items.size()); ++it) {
-        const Item& w = items[it];
-        const int64_t r0 = item_rows[it];
-        const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);
-        quantize_query_rows<HD>(q_codes + r0 * HD, q_scales + r0, q_offsets + r0,
-                                (w.i1 - w.i0) * g, sc, [&](int64_t r) {
-                                  return qb + item_row(qsl[w.seq], w.i0, r, g, H, w.h0) * HD;
-                                });
-      }
+      const int64_t r0 = item_rows[pt.item];
+      codes = {q_codes + r0 * HD, q_scales + r0, q_offsets + r0};
     }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_parts; ++i) {
-      const PartWork& pt = parts[i];
-      const Item& w = items[pt.item];
-      QueryCodes codes;
-      if (Q8) {
-        const int64_t r0 = item_rows[pt.item];
-        codes = {q_codes + r0 * HD, q_scales + r0, q_offsets + r0};
+    attend_part_pairs_bf16<HD, Q8>(q, kc, vc, tables + w.seq * max_blocks, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq],
+                                   w.i0, w.i1, qsl[w.seq], w.h0, H, Hkv, BS, sc, window, pt.key_lo, pt.key_hi,
+                                   partials + pt.offset, scratch, codes);
+  });
+  parallel_chunks(n_items, [&](int64_t it) {
+    const Item& w = items[it];
+    const int64_t rows = (w.i1 - w.i0) * g, q_start = qsl[w.seq];
+    uint16_t* ob = reinterpret_cast<uint16_t*>(o);
+    for (int64_t r = 0; r < rows; ++r) {
+      float big = -std::numeric_limits<float>::infinity();
+      for (int64_t j = first_part[it]; j < first_part[it + 1]; ++j) {
+        const float* pr = partials + parts[j].offset + r * (HD + 2);
+        if (pr[HD + 1] > 0.f) big = std::max(big, pr[HD]);
       }
-      attend_part_pairs_bf16<HD, Q8>(q, kc, vc, tables + w.seq * max_blocks, lens[w.seq], qsl[w.seq + 1] - qsl[w.seq], w.i0, w.i1,
-                           qsl[w.seq], w.h0, H, Hkv, BS, sc, window, pt.key_lo, pt.key_hi,
-                           partials + pt.offset, scratch, codes);
-    }
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < n_items; ++it) {
-      const Item& w = items[it];
-      const int64_t rows = (w.i1 - w.i0) * g, q_start = qsl[w.seq];
-      uint16_t* ob = reinterpret_cast<uint16_t*>(o);
-      for (int64_t r = 0; r < rows; ++r) {
-        float big = -std::numeric_limits<float>::infinity();
-        for (int64_t j = first_part[it]; j < first_part[it + 1]; ++j) {
-          const float* pr = partials + parts[j].offset + r * (HD + 2);
-          if (pr[HD + 1] > 0.f) big = std::max(big, pr[HD]);
-        }
-        float total = 0.f;
-        float acc[HD] = {};
-        for (int64_t j = first_part[it]; j < first_part[it + 1]; ++j) {
-          const float* pr = partials + parts[j].offset + r * (HD + 2);
-          if (!(pr[HD + 1] > 0.f)) continue;  // no key of this part is the row's
-          const float f = std::exp(pr[HD] - big);
-          total += pr[HD + 1] * f;
-          for (int64_t d = 0; d < HD; ++d) acc[d] += pr[d] * f;
-        }
-        const float inv = 1.f / total;
-        uint16_t* dst = ob + item_row(q_start, w.i0, r, g, H, w.h0) * HD;
-        for (int64_t d = 0; d < HD; ++d) dst[d] = bf16_bits(acc[d] * inv);
+      float total = 0.f;
+      float acc[HD] = {};
+      for (int64_t j = first_part[it]; j < first_part[it + 1]; ++j) {
+        const float* pr = partials + parts[j].offset + r * (HD + 2);
+        if (!(pr[HD + 1] > 0.f)) continue;  // no key of this part is the row's
+        const float f = std::exp(pr[HD] - big);
+        total += pr[HD + 1] * f;
+        for (int64_t d = 0; d < HD; ++d) acc[d] += pr[d] * f;
       }
+      const float inv = 1.f / total;
+      uint16_t* dst = ob + item_row(q_start, w.i0, r, g, H, w.h0) * HD;
+      for (int64_t d = 0; d < HD; ++d) dst[d] = bf16_bits(acc[d] * inv);
     }
-  }
+  });
 }
 #endif
 
@@ -1408,7 +1448,7 @@ void paged_attention_impl(const torch::Tensor& out, const torch::Tensor& query, 
     const int64_t q_len = qsl[s + 1] - qsl[s];
     if (!skipped(q_len)) chunks += (q_len + chunk_of(q_len) - 1) / chunk_of(q_len);
   }
-  const bool whole_heads = chunks >= 4 * at::get_num_threads();
+  const bool whole_heads = chunks >= 4 * kernel_threads();
   std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];
@@ -1440,13 +1480,8 @@ void paged_attention_impl(const torch::Tensor& out, const torch::Tensor& query, 
     if (D == 256 && attention_parts<256>(items, q, kc, vc, tables, max_blocks, o, lens, qsl, H, Hkv, BS, scale, window, few_rows)) return;
   }
 #endif
-  const int64_t n = static_cast<int64_t>(items.size());
-  const int threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < n; ++it) {
+  parallel_chunks(static_cast<int64_t>(items.size()), [&](int64_t it) {
+      thread_local std::vector<float> scratch;
       const Item& w = items[it];
       const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
       const int32_t* table = tables + w.seq * max_blocks;
@@ -1483,8 +1518,7 @@ void paged_attention_impl(const torch::Tensor& out, const torch::Tensor& query, 
       }
       }
 #undef PAGODA_ATTEND
-    }
-  }
+  });
 }
 
 // An int8 KV cache (`--kv-cache-dtype int8`: rows of HD codes and a bf16 scale,
@@ -1603,7 +1637,7 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, con
     const bool bf16 = key.scalar_type() == at::kBFloat16;
     TORCH_CHECK(bf16 || key.scalar_type() == at::kFloat, "reshape_and_cache: bfloat16 or float32 K/V expected");
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    at::parallel_for(0, key.size(0), 16, [&](int64_t b, int64_t e) {
+    parallel_ranges(key.size(0), 16, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         if (slots[t] < 0) continue;
         if (bf16) {
@@ -1626,7 +1660,7 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, con
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
   const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
-  at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+  parallel_ranges(T, 64, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       if (slots[t] < 0) continue;
       std::memcpy(kc + slots[t] * bytes, k + t * ks, bytes);
@@ -1661,8 +1695,9 @@ void add_rms_norm_impl(const torch::Tensor& out, const torch::Tensor& residual, 
   const T* ap = add ? add->data_ptr<T>() : nullptr;
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    std::vector<float> buf(n), tmp(n), wf(n);
+  parallel_ranges(rows, 16, [&](int64_t b, int64_t e) {
+    thread_local std::vector<float> buf, tmp, wf;
+    buf.resize(n), tmp.resize(n), wf.resize(n);
     for (int64_t r = b; r < e; ++r) {
       load_row(buf.data(), xp + r * n, n);
       if (ap) {
@@ -1709,8 +1744,9 @@ void rotary_impl(const torch::Tensor& qk, const torch::Tensor& cos, const torch:
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   const int64_t* pos = positions.data_ptr<int64_t>();
-  at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
-    std::vector<float> x(D);
+  parallel_ranges(T_, 16, [&](int64_t b, int64_t e) {
+    thread_local std::vector<float> x;
+    x.resize(D);
     for (int64_t t = b; t < e; ++t) {
       const float* ct = c + pos[t] * half;
       const float* st = s + pos[t] * half;
@@ -1900,31 +1936,22 @@ inline void linear_rows_two_groups(int64_t mb, const uint16_t* x, const T* pg, c
 constexpr int64_t kTileRows = 11;            // x rows per register tile (22 accumulators)
 constexpr int64_t kPassRows = 64;            // x rows per pass over a chunk of groups (they stay in L1/L2)
 constexpr int64_t kChunkBytes = 256 * 1024;  // weight bytes per chunk of groups (it stays in L2 for every pass)
+constexpr int64_t kPieceBytes = 128 * 1024;  // few rows: weight bytes per piece the threads claim (~10 us each)
 
-// Runs body(lo, hi) in parallel on each thread's contiguous range [lo, hi) of `units`
-// (groups of outputs), never more threads than units.
-template <typename Body>
-inline void for_each_thread_range(int64_t units, const Body& body) {
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)));
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    body(units * t / nt, units * (t + 1) / nt);
-  }
-}
-
-// y [M, N] = x [M, K] @ W^T + bias, W packed by pack_bf16_weight (see above). Each thread
-// takes a contiguous range of groups. Few rows (a decode step): one pass, two groups at a
-// time, the weight streamed once. More: the thread's groups in chunks of ~256 KB of weight,
-// and for each chunk every pass of 64 x rows, so the chunk is read from memory once and
-// served from L2 to the passes after the first (reading the weight once per pass instead
-// was 0.7-0.8x oneDNN at 256 rows on the MLP's and the head's shapes).
+// y [M, N] = x [M, K] @ W^T + bias, W packed by pack_bf16_weight (see above). The threads
+// claim contiguous pieces of groups (parallel_ranges: a descheduled thread holds up one
+// piece, not half the weight). Few rows (a decode step): pieces of ~128 KB of weight (at
+// least 4 per thread), one pass, two groups at a time, the weight streamed once. More:
+// pieces of ~256 KB, and for each piece every pass of 64 x rows, so the piece is read from
+// memory once and served from L2 to the passes after the first (reading the weight once
+// per pass instead was 0.7-0.8x oneDNN at 256 rows on the MLP's and the head's shapes).
 template <typename T>
 void packed_linear_impl(const uint16_t* x, const T* packed, const uint16_t* bias, const uint16_t* scale, uint16_t* y,
                         int64_t M, int64_t K, int64_t N) {
   const int64_t groups = (N + kGroup - 1) / kGroup, group_stride = (K + 1) / 2 * kPairLine;
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (group_stride * static_cast<int64_t>(sizeof(T))));
-  for_each_thread_range(groups, [&](int64_t g_lo, int64_t g_hi) {
+  const int64_t group_bytes = group_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / group_bytes);
+  auto run = [&](int64_t g_lo, int64_t g_hi) {
     if (M <= 4) {
       for (int64_t g = g_lo; g < g_hi; ++g) {
         if (g + 1 < g_hi) {  // two groups at a time: twice the chains in flight
@@ -1946,7 +1973,15 @@ void packed_linear_impl(const uint16_t* x, const T* packed, const uint16_t* bias
                         g * kGroup);
       }
     }
-  });
+  };
+  if (M > 4) {
+    parallel_ranges(groups, chunk, run);
+    return;
+  }
+  // Few rows: ranges of whole pairs of groups (two at a time), at least 4 ranges a thread.
+  const int64_t pairs = (groups + 1) / 2;
+  const int64_t most = std::max<int64_t>(1, std::min(kPieceBytes / (2 * group_bytes), pairs / (4 * kernel_threads())));
+  parallel_ranges(pairs, most, [&](int64_t lo, int64_t hi) { run(2 * lo, std::min(groups, 2 * hi)); });
 }
 
 void bf16_linear_impl(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
@@ -2120,21 +2155,27 @@ inline __m512 round_bf16x16(__m512 v) {
 
 void silu_mul_rows(const uint16_t* gate_up, uint16_t* h, int64_t M, int64_t I) {
   const __m512 log2e = _mm512_set1_ps(1.4426950408889634f), one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
-#pragma omp parallel for schedule(static) if (M * I >= 32768)
-  for (int64_t m = 0; m < M; ++m) {
-    const uint16_t* g = gate_up + m * 2 * I;
-    const uint16_t* u = g + I;
-    uint16_t* o = h + m * I;
-    for (int64_t i = 0; i < I; i += 16) {
-      const __mmask16 mask = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
-      const __m512 gf = bf16x16_to_float(g + i, mask), uf = bf16x16_to_float(u + i, mask);
-      const __m512 neg_abs = _mm512_min_ps(gf, _mm512_sub_ps(zero, gf));
-      const __m512 e = exp2_nonpositive16(_mm512_mul_ps(neg_abs, log2e));
-      const __mmask16 nonneg = _mm512_cmp_ps_mask(gf, zero, _CMP_GE_OQ);
-      const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(nonneg, e, one), _mm512_add_ps(one, e));
-      const __m512 silu = round_bf16x16(_mm512_mul_ps(gf, sig));
-      _mm256_mask_storeu_epi16(o + i, mask, bf16_bits16(_mm512_mul_ps(silu, uf)));
+  auto rows = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const uint16_t* g = gate_up + m * 2 * I;
+      const uint16_t* u = g + I;
+      uint16_t* o = h + m * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 mask = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
+        const __m512 gf = bf16x16_to_float(g + i, mask), uf = bf16x16_to_float(u + i, mask);
+        const __m512 neg_abs = _mm512_min_ps(gf, _mm512_sub_ps(zero, gf));
+        const __m512 e = exp2_nonpositive16(_mm512_mul_ps(neg_abs, log2e));
+        const __mmask16 nonneg = _mm512_cmp_ps_mask(gf, zero, _CMP_GE_OQ);
+        const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(nonneg, e, one), _mm512_add_ps(one, e));
+        const __m512 silu = round_bf16x16(_mm512_mul_ps(gf, sig));
+        _mm256_mask_storeu_epi16(o + i, mask, bf16_bits16(_mm512_mul_ps(silu, uf)));
+      }
     }
+  };
+  if (M * I >= 32768) {
+    parallel_ranges(M, std::max<int64_t>(1, 16384 / I), rows);
+  } else {
+    rows(0, M);
   }
 }
 
@@ -2167,25 +2208,31 @@ inline float dot_bf16_any(const uint16_t* x, const uint16_t* y, int64_t n) {
 // fused decode call (bf16_decode_layers) run this same function.
 void lora_add_rows(uint16_t* out, const uint16_t* x, const uint16_t* a, const uint16_t* bp, const int64_t* row_group,
                    const int64_t* offsets, int64_t M, int64_t K, int64_t N) {
-  auto one_row = [&](int64_t m) {
+  auto columns = [&](int64_t m) {  // row m's rank columns [o0, o0 + r); r = 0: a base row
     const int64_t g = row_group[m];
-    if (g < 0) return;
-    const int64_t o0 = offsets[g], r = offsets[g + 1] - o0;
-    if (r <= 0) return;
-    float t[kMaxLoraColumns];
+    if (g < 0) return std::pair<int64_t, int64_t>{0, 0};
+    return std::pair<int64_t, int64_t>{offsets[g], std::max<int64_t>(0, offsets[g + 1] - offsets[g])};
+  };
+  // The shrink: t[j] = x_m . a_(o0 + j) for j in [j0, j1).
+  auto shrink = [&](int64_t m, int64_t j0, int64_t j1, float* t) {
+    const int64_t o0 = columns(m).first;
     const uint16_t* xm = x + m * K;
-    for (int64_t j = 0; j < r; ++j) t[j] = dot_bf16_any(xm, a + (o0 + j) * K, K);
+    for (int64_t j = j0; j < j1; ++j) t[j] = dot_bf16_any(xm, a + (o0 + j) * K, K);
+  };
+  // The expand of row m's outputs [n_lo, n_hi) (n_lo a multiple of 64) from its t.
+  auto expand = [&](int64_t m, int64_t n_lo, int64_t n_hi, const float* t) {
+    const auto [o0, r] = columns(m);
     uint16_t* om = out + m * N;
     const uint16_t* b0 = bp + o0 * N;  // pair j = o0 / 2 starts at j * 2N
     uint32_t tp[kMaxLoraColumns / 2];  // t's pairs as bf16
     for (int64_t j = 0; j < r / 2; ++j)
       tp[j] = static_cast<uint32_t>(bf16_bits(t[2 * j])) | (static_cast<uint32_t>(bf16_bits(t[2 * j + 1])) << 16);
-    for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    for (int64_t n0 = n_lo; n0 < n_hi; n0 += 64) {
       __m512 acc[4];
       __mmask16 mask[4];
       __mmask32 pair_mask[4];
       for (int c = 0; c < 4; ++c) {
-        const int64_t left = N - n0 - 16 * c;
+        const int64_t left = n_hi - n0 - 16 * c;
         mask[c] = left >= 16 ? static_cast<__mmask16>(0xFFFF)
                              : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : static_cast<__mmask16>(0);
         pair_mask[c] = left >= 16 ? static_cast<__mmask32>(0xFFFFFFFFu)
@@ -2202,13 +2249,35 @@ void lora_add_rows(uint16_t* out, const uint16_t* x, const uint16_t* a, const ui
         if (mask[c]) _mm256_mask_storeu_epi16(om + n0 + 16 * c, mask[c], bf16_bits16(acc[c]));
     }
   };
-  if (M >= 4) {
-    at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m) one_row(m);
+  if (M >= 4) {  // a row per chunk
+    parallel_chunks(M, [&](int64_t m) {
+      const int64_t r = columns(m).second;
+      if (r <= 0) return;
+      float t[kMaxLoraColumns];
+      shrink(m, 0, r, t);
+      expand(m, 0, N, t);
     });
-  } else {
-    for (int64_t m = 0; m < M; ++m) one_row(m);
+    return;
   }
+  // Few rows (a decode step): a row's adapter weights (~0.1-0.2 MB a linear) are too much
+  // for one thread (a batch-1 step with adapters took 1.17x the base's), so the shrink's
+  // rank columns, then the expand's output columns, are pieces the threads share. Each
+  // output is the same one chain over the pairs in order as above: the same bits.
+  constexpr int64_t kShrinkColumns = 8, kExpandColumns = 256;
+  float t[3][kMaxLoraColumns];
+  const int64_t expand_pieces = (N + kExpandColumns - 1) / kExpandColumns;
+  int64_t max_r = 0;
+  for (int64_t m = 0; m < M; ++m) max_r = std::max(max_r, columns(m).second);
+  if (max_r == 0) return;
+  const int64_t per_row = (max_r + kShrinkColumns - 1) / kShrinkColumns;
+  parallel_chunks(M * per_row, [&](int64_t i) {
+    const int64_t m = i / per_row, j0 = i % per_row * kShrinkColumns, r = columns(m).second;
+    if (j0 < r) shrink(m, j0, std::min(r, j0 + kShrinkColumns), t[m]);
+  });
+  parallel_chunks(M * expand_pieces, [&](int64_t i) {
+    const int64_t m = i / expand_pieces, n_lo = i % expand_pieces * kExpandColumns;
+    if (columns(m).second > 0) expand(m, n_lo, std::min(N, n_lo + kExpandColumns), t[m]);
+  });
 }
 #endif
 
@@ -2529,7 +2598,17 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
   if (!logits) return out;
   // The head as the model's GEMV `Linear` computes it (bf16 out), widened as the sampler widens it.
   const torch::Tensor none = torch::empty({0}, opts);
-  return DecodeLinear{&lm_head, &none, &none, 0}(out).to(at::kFloat);
+  // The widening on the work pool, not torch's `.to(float)`: that copy (49,152 logits a
+  // row) is an OpenMP parallel op, the one of a decode step, and waking torch's team costs
+  // more than the copy (and stalls when a neighbour holds a core).
+  const torch::Tensor bf16_logits = DecodeLinear{&lm_head, &none, &none, 0}(out);
+  torch::Tensor float_logits = torch::empty(bf16_logits.sizes(), opts.dtype(at::kFloat));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(bf16_logits.data_ptr());
+  float* dst = float_logits.data_ptr<float>();
+  parallel_ranges(bf16_logits.numel(), 1 << 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) dst[i] = bf16_to_float_bits(src[i]);
+  });
+  return float_logits;
 }
 
 // The index of each row's largest value, as torch.argmax(dim=-1) gives it: the first
@@ -2583,6 +2662,13 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   return out;
 }
 
+// Whether the parallel loops run on OpenMP's team (true) or the work pool (false, the
+// default); for A/B benchmarks of the two. Returns the previous setting.
+bool set_openmp_loops(bool openmp) { return g_openmp_loops.exchange(openmp); }
+
+// The kernels' thread count (0: follow torch's); returns the previous setting.
+int64_t set_kernel_threads(int64_t threads) { return g_kernel_threads.exchange(static_cast<int>(std::max<int64_t>(0, threads))); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel runs without the GIL, as torch's own ops do: a server's event loop (the
   // HTTP streams) runs on another thread while the engine thread is in here. The fused
@@ -2611,4 +2697,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", &lora_add, release());
   m.def("silu_mul", &silu_mul, release());
   m.def("argmax_rows", &argmax_rows, release());
+  m.def("set_openmp_loops", &set_openmp_loops);
+  m.def("set_kernel_threads", &set_kernel_threads);
 }
