@@ -199,8 +199,11 @@ async def capped_workload(url: str, model: str | None, requests, concurrency: in
 
     start = time.perf_counter()
     capped = False
+    # A connection per request (no keep-alive): llama-server closes idle connections, and a
+    # request sent on one it has just closed fails with "Server disconnected" before it starts.
     async with httpx.AsyncClient(base_url=url, timeout=cap_s + 60,
-                                 limits=httpx.Limits(max_connections=concurrency + 2)) as client:
+                                 limits=httpx.Limits(max_connections=concurrency + 2,
+                                                     max_keepalive_connections=0)) as client:
         try:
             await asyncio.wait_for(asyncio.gather(*(worker(client) for _ in range(concurrency))), cap_s)
         except asyncio.TimeoutError:
@@ -252,6 +255,9 @@ def ratio(a: float | None, b: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["bundled"], choices=["bundled", "llama-1b"])
+    ap.add_argument("--model-path", type=Path, help="the folder `bundled` stands for (default: the bundled model)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 8-token outputs, 4 streams, 2 requests "
+                    "at c=1 (tests use it)")
     ap.add_argument("--servers", nargs="+", default=["pagoda", "llama.cpp"],
                     choices=["pagoda", "pagoda-openmp", "llama.cpp"])
     ap.add_argument("--noise", nargs="+", default=["none", "nice0", "nice19"], choices=list(NOISE))
@@ -271,10 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(".cache/bench-noise"))
     ap.add_argument("--json", type=Path)
     ns = ap.parse_args(argv)
+    if ns.quick:
+        ns.output_len, ns.input_len, ns.streams, ns.itl_requests = 8, 16, 4, 2
 
     from engine.default_model import default_model_path
 
-    bundled = default_model_path()
+    bundled = ns.model_path or default_model_path()
     binary = find_llama_server(ns.llama_server)
     tree = llama_cpp_dir(ns.llama_cpp_dir, binary)
     results: dict = {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "args": vars(ns) | {

@@ -2249,35 +2249,22 @@ void lora_add_rows(uint16_t* out, const uint16_t* x, const uint16_t* a, const ui
         if (mask[c]) _mm256_mask_storeu_epi16(om + n0 + 16 * c, mask[c], bf16_bits16(acc[c]));
     }
   };
-  if (M >= 4) {  // a row per chunk
-    parallel_chunks(M, [&](int64_t m) {
-      const int64_t r = columns(m).second;
-      if (r <= 0) return;
-      float t[kMaxLoraColumns];
-      shrink(m, 0, r, t);
-      expand(m, 0, N, t);
-    });
-    return;
+  auto one_row = [&](int64_t m) {
+    const int64_t r = columns(m).second;
+    if (r <= 0) return;
+    float t[kMaxLoraColumns];
+    shrink(m, 0, r, t);
+    expand(m, 0, N, t);
+  };
+  // A row per chunk. Few rows (a decode step) run on the caller alone: a row's adapter
+  // weights at one linear are ~0.1-0.2 MB, and splitting its shrink and expand over the
+  // threads (two pool loops a linear) measured no faster at batch 1 (~1-2 us a linear
+  // with the weights in cache, 1 thread; more with 2).
+  if (M >= 4) {
+    parallel_chunks(M, one_row);
+  } else {
+    for (int64_t m = 0; m < M; ++m) one_row(m);
   }
-  // Few rows (a decode step): a row's adapter weights (~0.1-0.2 MB a linear) are too much
-  // for one thread (a batch-1 step with adapters took 1.17x the base's), so the shrink's
-  // rank columns, then the expand's output columns, are pieces the threads share. Each
-  // output is the same one chain over the pairs in order as above: the same bits.
-  constexpr int64_t kShrinkColumns = 8, kExpandColumns = 256;
-  float t[3][kMaxLoraColumns];
-  const int64_t expand_pieces = (N + kExpandColumns - 1) / kExpandColumns;
-  int64_t max_r = 0;
-  for (int64_t m = 0; m < M; ++m) max_r = std::max(max_r, columns(m).second);
-  if (max_r == 0) return;
-  const int64_t per_row = (max_r + kShrinkColumns - 1) / kShrinkColumns;
-  parallel_chunks(M * per_row, [&](int64_t i) {
-    const int64_t m = i / per_row, j0 = i % per_row * kShrinkColumns, r = columns(m).second;
-    if (j0 < r) shrink(m, j0, std::min(r, j0 + kShrinkColumns), t[m]);
-  });
-  parallel_chunks(M * expand_pieces, [&](int64_t i) {
-    const int64_t m = i / expand_pieces, n_lo = i % expand_pieces * kExpandColumns;
-    if (columns(m).second > 0) expand(m, n_lo, std::min(N, n_lo + kExpandColumns), t[m]);
-  });
 }
 #endif
 

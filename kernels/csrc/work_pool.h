@@ -64,6 +64,8 @@ class WorkPool {
   // How long the caller spins for chunks in flight before it sleeps.
   static constexpr std::chrono::microseconds kCallerSpin{50};
 
+  static constexpr uint64_t kClosed = 0xFFFFFFFFu;  // `next` of a loop no chunk may be claimed from
+
   static WorkPool& instance() {
     static WorkPool* pool = new WorkPool();  // never destroyed: workers may outlive static destructors
     return *pool;
@@ -73,16 +75,21 @@ class WorkPool {
   void run(int64_t n, int threads, Fn fn, void* ctx) {
     if (n <= 0) return;
     std::unique_lock<std::mutex> lock(call_mutex_, std::defer_lock);
-    if (n == 1 || threads <= 1 || n > UINT32_MAX || !lock.try_lock()) {
+    if (n == 1 || threads <= 1 || n >= static_cast<int64_t>(kClosed) || !lock.try_lock()) {
       for (int64_t i = 0; i < n; ++i) fn(ctx, i);
       return;
     }
     ensure_workers(threads - 1);
-    fn_.store(fn, std::memory_order_relaxed);
-    ctx_.store(ctx, std::memory_order_relaxed);
-    n_.store(n, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
     const uint32_t gen = generation_.load(std::memory_order_relaxed) + 1;
+    // Close the last loop before its fields change: a worker that read its state (every
+    // chunk claimed) and then this loop's larger n would otherwise win its compare-exchange
+    // on the old state and run this loop's chunk unaccounted for (the loop could return
+    // under it). With the state moved on, that compare-exchange fails.
+    state_.store((static_cast<uint64_t>(gen) << 32) | kClosed, std::memory_order_seq_cst);
+    fn_.store(fn, std::memory_order_release);
+    ctx_.store(ctx, std::memory_order_release);
+    n_.store(n, std::memory_order_release);
+    done_.store(0, std::memory_order_relaxed);
     state_.store(static_cast<uint64_t>(gen) << 32, std::memory_order_release);
     generation_.store(gen, std::memory_order_seq_cst);
     if (sleeping_workers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&generation_);
@@ -101,12 +108,12 @@ class WorkPool {
     for (;;) {
       uint64_t s = state_.load(std::memory_order_acquire);
       if (static_cast<uint32_t>(s >> 32) != gen) return;
-      const int64_t next = static_cast<uint32_t>(s), n = n_.load(std::memory_order_relaxed);
+      const int64_t next = static_cast<uint32_t>(s), n = n_.load(std::memory_order_acquire);
       if (next >= n) return;
-      const Fn fn = fn_.load(std::memory_order_relaxed);
-      void* const ctx = ctx_.load(std::memory_order_relaxed);
-      // Succeeds only while the state is still (gen, next): the loop is unfinished, so the
-      // fields just read are this loop's.
+      const Fn fn = fn_.load(std::memory_order_acquire);
+      void* const ctx = ctx_.load(std::memory_order_acquire);
+      // Succeeds only while the state is still (gen, next): the loop is not closed (run()
+      // closes it before it writes another loop's fields), so the fields just read are its.
       if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) continue;
       fn(ctx, next);
       if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == n &&

@@ -174,3 +174,25 @@ def test_two_python_threads_in_the_kernels_at_once_each_get_their_own_result():
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a caller hung"
     assert not failures, failures
+
+
+def test_back_to_back_loops_of_different_sizes_keep_their_results():
+    """Thousands of loops alternating few and many chunks (a GEMV of 8 groups, then one of
+    128), each result checked. A worker that read a finished loop's state and the next
+    loop's larger size once won its claim on the finished loop and ran the next loop's chunk
+    unaccounted for: the loop returned under it and the server crashed (a general
+    protection fault in the LoRA and attention kernels); run() now closes a loop's state
+    before it writes the next one's fields."""
+    g = torch.Generator().manual_seed(0)
+    small = cpu_kernels.pack_bf16_weight(torch.randn(256, 576, generator=g).bfloat16())
+    large = cpu_kernels.pack_bf16_weight(torch.randn(4096, 576, generator=g).bfloat16())
+    x = torch.randn(1, 576, generator=g).bfloat16()
+    m = _module()
+    before = m.set_kernel_threads(2)
+    try:
+        want_small, want_large = cpu_kernels.bf16_linear(x, small), cpu_kernels.bf16_linear(x, large)
+        for _ in range(3000):
+            assert torch.equal(cpu_kernels.bf16_linear(x, small), want_small)
+            assert torch.equal(cpu_kernels.bf16_linear(x, large), want_large)
+    finally:
+        m.set_kernel_threads(before)

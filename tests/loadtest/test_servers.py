@@ -35,3 +35,23 @@ def test_llama_cpp_is_skipped_with_a_reason_when_missing(tmp_path):
         assert isinstance(spec, Skipped) and "llama_cpp" in spec.reason
     else:
         assert isinstance(spec, Skipped) and ("GGUF" in spec.reason or "needs" in spec.reason)
+
+
+def test_llama_server_is_found_by_flag_or_env_and_started_with_its_slots(tmp_path, monkeypatch):
+    from loadtest.servers import LLAMA_SERVER_ENV, llama_server_spec
+
+    gguf = tmp_path / "model-bf16.gguf"
+    gguf.write_bytes(b"GGUF")
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    monkeypatch.delenv(LLAMA_SERVER_ENV, raising=False)
+    missing = llama_server_spec(gguf, binary=str(tmp_path / "nowhere"))
+    assert isinstance(missing, Skipped) and "no llama-server binary" in missing.reason
+    assert isinstance(llama_server_spec(tmp_path / "none.gguf", binary=str(binary)), Skipped)
+    monkeypatch.setenv(LLAMA_SERVER_ENV, str(binary))
+    spec = llama_server_spec(gguf, threads=2, parallel=32, ctx_per_slot=160)
+    assert isinstance(spec, ServerSpec) and spec.command[0] == str(binary) and spec.model == "model-bf16"
+    cmd = spec.command
+    assert cmd[cmd.index("-t") + 1] == "2" and cmd[cmd.index("-tb") + 1] == "2"
+    assert cmd[cmd.index("-np") + 1] == "32" and cmd[cmd.index("-c") + 1] == str(32 * 160)
+    assert "--cont-batching" in cmd and "{port}" in cmd
