@@ -12,7 +12,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _busy_loops() -> set[str]:
+    """PIDs of the processes running the neighbour's busy loop."""
+    ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return {line.split(None, 1)[0] for line in ps.splitlines() if "while True: pass" in line}
+
+
 def test_bench_noise_quick_reports_quiet_and_noisy_figures(tiny_model_path, tmp_path):
+    before = _busy_loops()
     out = subprocess.run(
         [sys.executable, "-m", "loadtest.bench_noise", "--quick", "--model-path", str(tiny_model_path),
          "--servers", "pagoda", "--noise", "none", "nice19", "--pagoda-args",
@@ -25,6 +32,7 @@ def test_bench_noise_quick_reports_quiet_and_noisy_figures(tiny_model_path, tmp_
     for noise in ("none", "nice19"):
         m = result["bundled"]["rounds"][0]["pagoda"][noise]
         assert m["c1_itl_ms"] > 0 and m["c4_tok_s"] > 0 and not m["capped"], m
-        assert m["c4"]["output_tokens"] == 4 * 8, m  # every token of every stream arrived
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert "while True: pass" not in ps  # the neighbour was stopped
+        # Every stream ran to its end (not capped); a random model's byte tokens may hold
+        # text back, so chunks with text can be fewer than the 4 x 8 tokens.
+        assert 0 < m["c4"]["output_tokens"] <= 4 * 8, m
+    assert _busy_loops() <= before  # the neighbour was stopped
