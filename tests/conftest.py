@@ -7,7 +7,15 @@ directly or through a fixture such as a started server), the tests marked by han
 model or none.
 """
 
-import pytest
+import os
+
+# As `pagoda` runs (server/cli.py `prefer_passive_openmp`): torch's idle OpenMP threads sleep
+# instead of spinning on the cores the C++ kernels' work pool needs. Set here, before anything
+# imports torch, for the in-process engines of the tests (the servers they start set it
+# themselves).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import pytest  # noqa: E402
 
 SLOW_TESTS = {
     # node id (a module, a test function, or one parametrized case): why it is slow

@@ -177,7 +177,7 @@ def test_two_python_threads_in_the_kernels_at_once_each_get_their_own_result():
 
 
 def test_back_to_back_loops_of_different_sizes_keep_their_results():
-    """Thousands of loops alternating few and many chunks (a GEMV of 8 groups, then one of
+    """A thousand pairs of loops alternating few and many chunks (a GEMV of 8 groups, then one of
     128), each result checked. A worker that read a finished loop's state and the next
     loop's larger size once won its claim on the finished loop and ran the next loop's chunk
     unaccounted for: the loop returned under it and the server crashed (a general
@@ -191,7 +191,7 @@ def test_back_to_back_loops_of_different_sizes_keep_their_results():
     before = m.set_kernel_threads(2)
     try:
         want_small, want_large = cpu_kernels.bf16_linear(x, small), cpu_kernels.bf16_linear(x, large)
-        for _ in range(3000):
+        for _ in range(1000):
             assert torch.equal(cpu_kernels.bf16_linear(x, small), want_small)
             assert torch.equal(cpu_kernels.bf16_linear(x, large), want_large)
     finally:
