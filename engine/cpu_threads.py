@@ -17,8 +17,8 @@ the count (engine/distributed/parallel_state.py).
 
 Pagoda's C++ kernels run their loops on a work pool of their own (kernels/csrc/work_pool.h);
 torch's own ops run on OpenMP's team, whose idle threads by default spin for ~300,000
-pauses (milliseconds) after every parallel op, on the cores the pool's threads need (a
-bf16 GEMV after one parallel torch op took 1.5x as long). `pagoda` therefore starts with
+pauses (milliseconds) after every parallel op, on the cores the pool's threads need
+(loadtest/bench_noise.py's quiet A/B shows what that costs). `pagoda` therefore starts with
 OMP_WAIT_POLICY=passive (server/cli.py `prefer_passive_openmp`, before torch loads; a value
 the user set is kept): torch's idle threads sleep at once, each parallel torch op pays a wake-up instead.
 """

@@ -69,8 +69,8 @@ inline void parallel_chunks(int64_t n, const Body& body, int64_t threads = kerne
 
 // body(lo, hi) over [0, units) in contiguous ranges of at most about `max_piece` units,
 // claimed dynamically; as many ranges as a multiple of the threads, of near-equal size, so
-// that on a quiet machine every thread does the same share (9 pieces on 2 threads left one
-// thread 5 and cost ~10%). Under OpenMP: one contiguous range per thread, the split the
+// that on a quiet machine every thread does the same share (9 pieces on 2 threads would
+// leave one thread 5 to do while the other waits). Under OpenMP: one contiguous range per thread, the split the
 // kernels had before the pool.
 template <typename Body>
 inline void parallel_ranges(int64_t units, int64_t max_piece, const Body& body) {
@@ -2258,8 +2258,7 @@ void lora_add_rows(uint16_t* out, const uint16_t* x, const uint16_t* a, const ui
   };
   // A row per chunk. Few rows (a decode step) run on the caller alone: a row's adapter
   // weights at one linear are ~0.1-0.2 MB, and splitting its shrink and expand over the
-  // threads (two pool loops a linear) measured no faster at batch 1 (~1-2 us a linear
-  // with the weights in cache, 1 thread; more with 2).
+  // threads (two pool loops a linear) was no faster at batch 1 in this session's runs.
   if (M >= 4) {
     parallel_chunks(M, one_row);
   } else {
