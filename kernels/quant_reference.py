@@ -67,11 +67,15 @@ def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """x [M, K] -> (q int8 [M, K], x_scale float32 [M, 1]), computed in fp32.
 
     Multiplying by 127 / absmax (one IEEE division per row) rather than dividing by the
-    stored scale is what the Triton kernel does too, so the two agree bit for bit.
+    stored scale is what the Triton kernel does too, so the two agree bit for bit. The
+    division is tensor / tensor: torch computes `127.0 / absmax` (scalar / tensor) as
+    `absmax.reciprocal() * 127`, two roundings that miss the correctly rounded quotient for
+    about a quarter of the values; bf16 / fp16 activations land on exact halves often enough
+    (x = absmax / 2 gives 63.5) that a one-ulp-off `inv` rounds them the other way.
     """
     xf = x.float()
     absmax = xf.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, torch.zeros_like(absmax))
     q = torch.round(xf * inv).clamp(-127, 127).to(torch.int8)
     return q, absmax / 127.0
 

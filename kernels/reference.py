@@ -68,12 +68,13 @@ class _AttentionPlan:
         self.decode_all = b == len(q_lens)
         if not decode_seqs:
             return
+        dev = block_tables.device  # the index tensors live beside the cache (CPU or CUDA)
         if self.decode_all:
-            rows = torch.arange(b)
+            rows = torch.arange(b, device=dev)
             self.decode_token_idx = query_start_loc[:-1].long()
         else:
-            rows = torch.tensor(decode_seqs)
-            self.decode_token_idx = torch.tensor([starts[i] for i in decode_seqs])
+            rows = torch.tensor(decode_seqs, device=dev)
+            self.decode_token_idx = torch.tensor([starts[i] for i in decode_seqs], device=dev)
         # Per decode: the first key its window sees and how many keys it reads from there.
         first = [0 if window is None else max(0, lens[i] - window) for i in decode_seqs]
         read = [lens[i] - f for i, f in zip(decode_seqs, first)]
@@ -87,18 +88,18 @@ class _AttentionPlan:
                 self.decode_first_slot = blocks[0] * block_size + first[0]
                 self.decode_mask = None
                 return
-        read_lens = torch.tensor(read)
+        read_lens = torch.tensor(read, device=dev)
         # One flat slot per key read. Positions past a sequence's end read its last real
         # slot instead (masked below): slots there may hold stale data, even inf/nan, and
         # 0 * inf would poison the output.
-        offsets = torch.minimum(torch.arange(max_len)[None, :], read_lens[:, None] - 1)  # [b, ctx]
-        positions = torch.tensor(first)[:, None] + offsets
+        offsets = torch.minimum(torch.arange(max_len, device=dev)[None, :], read_lens[:, None] - 1)  # [b, ctx]
+        positions = torch.tensor(first, device=dev)[:, None] + offsets
         tables = block_tables[rows].long()
         self.decode_slots = (tables.gather(1, positions // block_size) * block_size + positions % block_size).flatten()
         if min(read) == max_len:
             self.decode_mask = None  # every decode reads max_len keys: nothing to mask
         else:
-            valid = torch.arange(max_len)[None, :] < read_lens[:, None]  # [b, ctx]
+            valid = torch.arange(max_len, device=dev)[None, :] < read_lens[:, None]  # [b, ctx]
             self.decode_mask = valid[:, None, None, :]
 
 
@@ -221,8 +222,8 @@ def paged_attention(
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)
         else:
             # After cached tokens (or under a window): query j sits at position ctx - q_len + j.
-            key_pos = torch.arange(first, ctx)[None, :]
-            q_pos = torch.arange(ctx - q_len, ctx)[:, None]
+            key_pos = torch.arange(first, ctx, device=query.device)[None, :]
+            q_pos = torch.arange(ctx - q_len, ctx, device=query.device)[:, None]
             allowed = key_pos <= q_pos  # [q_len, ctx - first]
             if sliding_window is not None:
                 allowed &= key_pos > q_pos - sliding_window

@@ -65,7 +65,8 @@ GOAL_INT4_SPEEDUP = 2.5
 GOAL_VS_HF = 10.0
 GOAL_PREFILL = 0.55
 # Seconds a section needs at least (skipped below that): the estimate on an H200, padded.
-SECTION_SECONDS = {"engine_bf16": 60, "hf": 40, "int8": 45, "int4": 45, "bf16_prefill": 20, "bf16_batch256": 30}
+SECTION_SECONDS = {"engine_bf16": 60, "hf": 40, "int8": 45, "int4": 45, "bf16_prefill": 20, "bf16_batch256": 30,
+                   "profile": 15}
 # Prefill and batch 256 run before the HF comparison and INT4/INT8 (they need the bf16
 # engine) but only with the time those later, more valued sections need still left over.
 LATER_SECONDS = SECTION_SECONDS["hf"] + SECTION_SECONDS["int4"] + SECTION_SECONDS["int8"]
@@ -215,6 +216,45 @@ def batch1_decode(core, copy_gbps: float, seed: int) -> dict:
     }
 
 
+PROFILE_STEPS = 8
+PROFILE_TOP = 8
+
+
+def profile_decode(core, seed: int) -> dict:
+    """Where a batch-1 decode step's device time goes: `PROFILE_STEPS` steps of a
+    `CONTEXT`-token sequence under torch.profiler (CUDA activity; kernels inside a CUDA
+    graph's replay are recorded too), the `PROFILE_TOP` kernels by total time, in
+    microseconds per step, and the sum of all kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    vocab = core.model.args.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=PROFILE_STEPS + 4, ignore_eos=True)
+    core.add_request(f"profile-{seed}", random_prompts(1, CONTEXT, vocab, seed)[0], params)
+    core.step()  # the prefill
+    core.step()  # one decode step before the recorded ones
+    synchronize(core.device)
+    cuda = core.device.type == "cuda"  # (on the CPU: the CPU ops, for a smoke test of this function)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(PROFILE_STEPS):
+            core.step()
+        synchronize(core.device)
+    while core.has_unfinished_requests():
+        core.step()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if not cuda:
+            totals[event.name] = totals.get(event.name, 0.0) + event.self_cpu_time_total
+        elif event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:PROFILE_TOP]
+    return {
+        "kernel_us_per_step": sum(totals.values()) / PROFILE_STEPS,
+        "top": [(name[:90], us / PROFILE_STEPS) for name, us in top],
+    }
+
+
 def prefill(core, matmul_tflops: float) -> dict:
     vocab = core.model.args.vocab_size
     times = []
@@ -329,14 +369,17 @@ class Sections:
             self.json_path.write_text(json.dumps(self.raw, indent=2, default=str))
 
 
-def engine_bf16(model_path: Path, limits: dict, sections: Sections, hf: dict, quick: bool = False) -> dict:
-    """The bf16 engine's sections (batch 1 and 64 first; prefill and batch 256 unless
-    `quick`). Before the engine goes, its weights are copied into the HF model, which `hf`
+def engine_bf16(model_path: Path, limits: dict, sections: Sections, hf: dict, quick: bool = False,
+                profile: bool = False) -> dict:
+    """The bf16 engine's sections (batch 1, its kernel profile when `profile`, and batch 64
+    first; prefill and batch 256 unless `quick`). Before the engine goes, its weights are copied into the HF model, which `hf`
     receives with the batch-64 prompts."""
     from transformers import LlamaConfig
 
     core = build_engine(model_path, gpu_memory_utilization=BF16_UTILIZATION)
     sections.run("bf16_batch1", lambda: batch1_decode(core, limits["copy_gbps"], seed=1))
+    if profile:
+        sections.run("bf16_profile", lambda: profile_decode(core, seed=7), SECTION_SECONDS["profile"])
     for i, batch in enumerate(BATCHES):
         if batch != HF_BATCH and quick:
             continue
@@ -366,9 +409,9 @@ def _summary(run: BatchRun) -> dict:
     return d
 
 
-def quantized(model_path: Path, method: str, limits: dict) -> dict:
-    """Batch-1 decode with `--quantization method`; eager (and the capture error recorded)
-    when its decode step cannot be captured."""
+def quantized(model_path: Path, method: str, limits: dict, profile: bool = False) -> dict:
+    """Batch-1 decode with `--quantization method` (and its kernel profile when `profile`);
+    eager (and the capture error recorded) when its decode step cannot be captured."""
     args = dict(quantization=method, kv_cache_memory=QUANT_KV_GIB, max_num_seqs=8, max_cuda_graph_batch_size=1)
     capture_error = None
     try:
@@ -379,6 +422,8 @@ def quantized(model_path: Path, method: str, limits: dict) -> dict:
         release_memory()
         core = build_engine(model_path, enforce_eager=True, **args)
     result = batch1_decode(core, limits["copy_gbps"], seed=2)
+    if profile:
+        result["profile"] = profile_decode(core, seed=8)
     return {**result, "cuda_graphs": core.runner.decode_graphs is not None, "graph_error": capture_error}
 
 
@@ -446,9 +491,15 @@ def report(raw: dict, device_name: str) -> str:
                 _check(p["fraction_of_matmul"], GOAL_PREFILL))
     engine = raw.get("engine_bf16") or {}
     graphs = {True: "on", False: "off"}.get(engine.get("cuda_graphs"), "n/a")
+    profiles = ""
+    for method, prof in (("bf16", raw.get("bf16_profile")), ("int4", (raw.get("int4_batch1") or {}).get("profile")),
+                         ("int8", (raw.get("int8_batch1") or {}).get("profile"))):
+        if prof:
+            profiles += f"\nbatch-1 decode {method}: kernels {prof['kernel_us_per_step']:.0f} us per step; top:\n"
+            profiles += "".join(f"  {us:8.1f} us  {name}\n" for name, us in prof["top"])
     return (
         f"{device_name}; Llama-3-8B shape, random weights, bf16 engine with CUDA graphs {graphs}, "
-        f"{engine.get('num_blocks', 'n/a')} KV blocks\n\n{rep.markdown()}"
+        f"{engine.get('num_blocks', 'n/a')} KV blocks\n\n{rep.markdown()}{profiles}"
     )
 
 
@@ -458,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget", type=float, default=420.0,
                         help="seconds; sections that would not fit are skipped")
     parser.add_argument("--quick", action="store_true", help="leave out prefill and batch 256")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the batch-1 decode steps (bf16, INT4, INT8): top kernels per step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_engine_gpu: CUDA is required (a Llama-3-8B-shaped model on the GPU); nothing to do.")
@@ -485,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_path = write_dummy_model_folder(Path(tmp) / "llama3-8b-shape", LlamaConfig(**LLAMA3_8B))
         hf: dict = {}
-        sections.run("engine_bf16", lambda: engine_bf16(model_path, limits, sections, hf, args.quick),
+        sections.run("engine_bf16", lambda: engine_bf16(model_path, limits, sections, hf, args.quick, args.profile),
                      SECTION_SECONDS["engine_bf16"])
         release_memory()  # the bf16 engine is gone: the HF model runs alone
         if "model" in hf and "prompts" in hf:
@@ -493,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         hf.clear()
         release_memory()
         for method in ("int4", "int8"):  # INT4's goal first
-            sections.run(f"{method}_batch1", lambda m=method: quantized(model_path, m, limits), SECTION_SECONDS[method])
+            sections.run(f"{method}_batch1", lambda m=method: quantized(model_path, m, limits, args.profile), SECTION_SECONDS[method])
             release_memory()
     sections.save()
     print("\n" + report(raw, name))

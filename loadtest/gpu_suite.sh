@@ -9,10 +9,11 @@
 # 1. tests: CUDA correctness - the Triton kernels compiled (bf16 / fp16 / fp32; attention and
 #    cache write on INT8 / FP8 KV caches too), the quantized GEMMs, CUDA graphs, the engine on
 #    Triton with quantized linears against its reference, seeded sampling and prompt logprobs -
-#    in four parallel shards, since compiling dominates;
+#    in five parallel shards, since compiling dominates;
 # 2. engine: loadtest/bench_engine_gpu.py on a random-weight Llama-3-8B shape: bf16 batch 1
 #    and 64 vs Hugging Face `generate`, INT4 and INT8 batch 1 (then prefill and batch 256
-#    when the time allows; --quick leaves them out);
+#    when the time allows, and where each batch-1 step's kernel time goes; --quick leaves
+#    them out);
 # 3. kernels: loadtest/bench_kernels.py and loadtest/bench_quant_kernels.py (full run only).
 #
 # Result files in $OUT (at most 8; the summary first, also printed at the end):
@@ -69,20 +70,24 @@ timeout "$T" "${PYTEST[@]}" -m "not slow" tests/engine/test_cuda_graphs.py tests
   tests/kernels/test_triton_cache.py tests/kernels/test_kernel_dispatch.py tests/engine/test_sampler.py \
   tests/engine/test_prompt_logprobs.py >"$scratch/engine.log" 2>&1 &
 p3=$!
+# The quantized GEMMs compile a kernel per tile config and dtype: two shards (one took over
+# 220 s on an H200 beside the others).
 timeout "$T" "${PYTEST[@]}" -m "not slow" tests/quantization/test_triton_w8a16.py \
-  tests/quantization/test_triton_w4a16.py tests/quantization/test_triton_w8a8.py tests/quantization/test_w8a8.py \
-  tests/quantization/test_lm_head.py >"$scratch/quant.log" 2>&1 &
+  tests/quantization/test_triton_w4a16.py >"$scratch/quant_w16.log" 2>&1 &
 p4=$!
+timeout "$T" "${PYTEST[@]}" -m "not slow" tests/quantization/test_triton_w8a8.py tests/quantization/test_w8a8.py \
+  tests/quantization/test_lm_head.py >"$scratch/quant_w8a8.log" 2>&1 &
+p5=$!
 trc=0
-for p in $p1 $p2 $p3 $p4; do wait $p || trc=1; done
-for shard in attention_bf16 attention_other engine quant; do
+for p in $p1 $p2 $p3 $p4 $p5; do wait $p || trc=1; done
+for shard in attention_bf16 attention_other engine quant_w16 quant_w8a8; do
   echo "==================== $shard" >>"$OUT/10_tests.log"
   cat "$scratch/$shard.log" >>"$OUT/10_tests.log"
 done
 {
   echo
   echo "== 1. tests (rc $trc, $(elapsed) s of the run)"
-  for shard in attention_bf16 attention_other engine quant; do
+  for shard in attention_bf16 attention_other engine quant_w16 quant_w8a8; do
     echo "$shard: $(tail -n 1 "$scratch/$shard.log")"
     grep -E "^(FAILED|ERROR)" "$scratch/$shard.log" | head -n 10
   done
@@ -91,7 +96,7 @@ done
 # ---- 2. engine vs HF, bf16 / INT4 / INT8 --------------------------------------------------------
 E=$(budget engine)
 ENGINE_ARGS=(--json "$OUT/21_engine.json" --time-budget $(( E - 25 )))
-[ "$quick" = 1 ] && ENGINE_ARGS+=(--quick)
+[ "$quick" = 1 ] && ENGINE_ARGS+=(--quick) || ENGINE_ARGS+=(--profile)
 timeout "$E" "$PY" -m loadtest.bench_engine_gpu "${ENGINE_ARGS[@]}" >"$OUT/20_engine.log" 2>&1
 erc=$?
 {

@@ -58,6 +58,23 @@ def test_quantize_per_token_equals_reference(m: int, k: int) -> None:
     assert int(q.abs().amax(dim=1).min()) == 127  # every row uses the full range
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_quantize_of_16bit_values_equals_reference(dtype: torch.dtype) -> None:
+    """Activations that hold 16-bit values (stored as fp32 here, so the interpreter runs them)
+    land on exact halves of the int8 grid often (x = absmax / 2 gives 63.5): there the
+    reference must divide as the kernel does, one correctly rounded 127 / absmax. (torch's
+    scalar / tensor is a reciprocal and a product: one ulp off for a quarter of the rows,
+    which flipped these halves on the GPU.)"""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(64, 255, generator=gen) * torch.logspace(-2, 1, 64)[:, None]).to(dtype).float().to(DEVICE)
+    q, scale = quantize_per_token(x)
+    q_ref, scale_ref = quantize_per_token_ref(x)
+    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    # The inputs do hit exact halves (else this test could not tell the divisions apart).
+    halves = (x.double() * (127.0 / x.double().abs().amax(dim=1, keepdim=True))).remainder(1.0) == 0.5
+    assert int(halves.sum()) > 0
+
+
 def test_quantize_rounds_halves_to_even_and_keeps_zero_rows() -> None:
     # absmax 127 -> multiplier exactly 1: the row's values are the rounded ones.
     x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -127.0], [0.0] * 8], device=DEVICE)
