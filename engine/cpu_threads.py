@@ -32,38 +32,81 @@ from pathlib import Path
 import torch
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
 
 
-def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
+def _own_cgroup_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
+    """(the cgroup v2 path, the v1 `cpu` controller's path) of this process, from
+    /proc/self/cgroup ("0::/a/b" and "4:cpu,cpuacct:/a/b"); None where a line is missing.
+    Inside a container with its own cgroup namespace both read "/"."""
+    v2 = v1 = None
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            v2 = path
+        elif "cpu" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def _levels(base: Path, path: str | None) -> list[Path]:
+    """`base / path` and each folder above it up to `base` itself: a quota set on any of
+    them caps this process (a container's, a systemd slice's, a pod's parent)."""
+    parts = [p for p in (path or "/").split("/") if p and p != ".."]
+    return [base.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
     """The cgroup's CPU quota in CPUs (1.5 = one and a half), None when there is none or
-    it cannot be read. Reads the cgroup the process sees at `root` (a container's own)."""
-    try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]  # cgroup v2
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())  # cgroup v1
-        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-    except (OSError, ValueError):
-        return None
-    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    it cannot be read: the smallest quota on the way from this process's own cgroup (read
+    from `proc_cgroup`) up to the hierarchy's root at `root`, cgroup v2 `cpu.max` first,
+    else v1's `cpu/cpu.cfs_quota_us` / `cpu.cfs_period_us`. In a container the process's
+    cgroup is the mount's root; on a host it may sit deeper (`systemd-run -p CPUQuota=`,
+    a cgroup made by hand), where the root's files say nothing about it."""
+    v2_path, v1_path = _own_cgroup_paths(proc_cgroup)
+    limits: list[float] = []
+    for level in _levels(root, v2_path):
+        try:
+            quota, period = (level / "cpu.max").read_text().split()[:2]
+            if quota != "max":
+                limits.append(int(quota) / int(period))
+        except (OSError, ValueError):
+            continue
+    if limits:
+        return min(limits)
+    for level in _levels(root / "cpu", v1_path):
+        try:
+            quota_us = int((level / "cpu.cfs_quota_us").read_text())
+            period_us = int((level / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        if quota_us > 0 and period_us > 0:
+            limits.append(quota_us / period_us)
+    return min(limits) if limits else None
 
 
-def available_cpus(root: Path = CGROUP_ROOT) -> tuple[int, str]:
+def available_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> tuple[int, str]:
     """(CPUs this process can run threads on at once, how that was found)."""
     try:
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         affinity = os.cpu_count() or 1
     why = f"{affinity} CPU{'s' if affinity != 1 else ''} in the affinity mask"
-    limit = cgroup_cpu_limit(root)
+    limit = cgroup_cpu_limit(root, proc_cgroup)
     if limit is None:
         return affinity, why + ", no cgroup CPU quota"
     quota_cpus = max(1, math.floor(limit))
+    quota = f"a cgroup CPU quota of {limit:g} CPU{'' if limit == 1 else 's'}"
     if quota_cpus < affinity:
-        return quota_cpus, f"a cgroup CPU quota of {limit:g} CPUs ({why})"
-    return affinity, f"{why}, a cgroup CPU quota of {limit:g} CPUs"
+        return quota_cpus, f"{quota} ({why})"
+    return affinity, f"{why}, {quota}"
 
 
 def choose_cpu_threads(requested: int | None, world_size: int = 1) -> tuple[int, str]:

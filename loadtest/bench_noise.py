@@ -4,6 +4,7 @@ busy neighbour, at two model sizes (issue 40's benchmark).
     python -m loadtest.bench_noise                          # bundled model, quiet + nice 0 + nice 19
     python -m loadtest.bench_noise --models bundled llama-1b --noise none nice0
     python -m loadtest.bench_noise --parts limit            # under `taskset -c 0`: auto vs --cpu-threads 1
+    python -m loadtest.bench_noise --parts quota            # in a cgroup with a 1-CPU quota
     python -m loadtest.bench_noise --servers pagoda pagoda-openmp   # the work pool vs OpenMP's team
 
 Models: `bundled` (SmolLM2-135M-Instruct) and `llama-1b`, a random-weight Llama made here
@@ -31,7 +32,9 @@ each condition / quiet for each server.
 
 `--parts limit`: Pagoda under `taskset -c 0` (one CPU in its affinity mask) with its own
 thread choice (the `cpu_threads:` start-up fact is quoted) and with `--cpu-threads 1` by
-hand: c=1 ITL of each and their ratio.
+hand: c=1 ITL of each and their ratio. `--parts quota`: Pagoda in a cgroup with a CPU quota
+of one CPU (loadtest/cpu_quota.py; needs write access to /sys/fs/cgroup): its own choice,
+`--cpu-threads 1` and `--cpu-threads 2` (the count it would use if it missed the quota).
 """
 
 from __future__ import annotations
@@ -211,8 +214,12 @@ async def capped_workload(url: str, model: str | None, requests, concurrency: in
     wall = time.perf_counter() - start
     tokens = sum(len(a) for a in arrivals)
     gaps = sorted(statistics.median(b - a for a, b in zip(t, t[1:])) for t in arrivals if len(t) > 2)
+    # A stream's mean gap (first token to last): unlike the median it counts the rare long
+    # gaps, e.g. a CPU quota's throttled periods.
+    means = sorted((t[-1] - t[0]) / (len(t) - 1) for t in arrivals if len(t) > 2)
     return {"output_tokens": tokens, "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 2),
-            "median_itl_ms": round(1000 * gaps[len(gaps) // 2], 2) if gaps else None, "capped": capped}
+            "median_itl_ms": round(1000 * gaps[len(gaps) // 2], 2) if gaps else None,
+            "mean_itl_ms": round(1000 * means[len(means) // 2], 2) if means else None, "capped": capped}
 
 
 def measure(url: str, model: str | None, one, many, streams: int, cap_s: float) -> dict:
@@ -223,10 +230,14 @@ def measure(url: str, model: str | None, one, many, streams: int, cap_s: float) 
 
 
 def run_server(spec: ServerSpec, ns: argparse.Namespace, one, many, warm, log_dir: Path,
-               noises: list[str], taskset: str | None = None) -> dict:
+               noises: list[str], taskset: str | None = None, wrap=None) -> dict:
+    """Start `spec` (under `taskset -c taskset`, and through `wrap(command)`, e.g. into a
+    cgroup, when given), warm it, measure it under each noise, stop it."""
     if taskset:
         spec = ServerSpec(spec.name, ["taskset", "-c", taskset, *spec.command], spec.model, spec.env,
                           spec.ready_paths)
+    if wrap is not None:
+        spec = ServerSpec(spec.name, wrap(list(spec.command)), spec.model, spec.env, spec.ready_paths)
     print(f"[noise] {spec.name}: {spec.display_command()} (load average {os.getloadavg()[0]:.2f})",
           file=sys.stderr, flush=True)
     server = LaunchedServer(spec, log_dir)
@@ -248,6 +259,24 @@ def run_server(spec: ServerSpec, ns: argparse.Namespace, one, many, warm, log_di
     return out
 
 
+def quota_part(model: Path, ns: argparse.Namespace, one, many, warm) -> dict | None:
+    """Pagoda in a cgroup with a quota of one CPU (2 CPUs in its affinity mask): its own
+    thread choice, `--cpu-threads 1` and `--cpu-threads 2` (what not noticing the quota
+    would cost), each in a fresh cgroup; None where no cgroup can be made here."""
+    from loadtest.cpu_quota import cpu_quota_cgroup
+
+    out = {}
+    for key, flags in (("auto", []), ("cpu_threads_1", ["--cpu-threads", "1"]),
+                       ("cpu_threads_2", ["--cpu-threads", "2"])):
+        with cpu_quota_cgroup(1.0) as wrap:
+            if wrap is None:
+                print("[noise] quota part skipped: no cgroup can be made here", file=sys.stderr)
+                return None
+            spec = pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args) + flags)
+            out[key] = run_server(spec, ns, one, many, warm, ns.out / "logs", ["none"], wrap=wrap)
+    return out
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
@@ -261,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", nargs="+", default=["pagoda", "llama.cpp"],
                     choices=["pagoda", "pagoda-openmp", "llama.cpp"])
     ap.add_argument("--noise", nargs="+", default=["none", "nice0", "nice19"], choices=list(NOISE))
-    ap.add_argument("--parts", nargs="+", default=["peers"], choices=["peers", "limit"])
+    ap.add_argument("--parts", nargs="+", default=["peers"], choices=["peers", "limit", "quota"])
     ap.add_argument("--rounds", type=int, default=1, help="the servers this many times, in alternating order")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=32)
@@ -320,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             by_hand = run_server(pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args) + ["--cpu-threads", "1"]),
                                  ns, one, many, warm, ns.out / "logs", ["none"], taskset="0")
             per_model["limit"] = {"auto": auto, "cpu_threads_1": by_hand}
+        if "quota" in ns.parts:
+            per_model["quota"] = quota_part(model, ns, one, many, warm)
         results[model_name] = per_model
 
     n = ns.streams
@@ -350,6 +381,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{model_name} under taskset -c 0: auto ({lim['auto'].get('cpu_threads_fact', '?')}) "
                   f"c=1 ITL {a['c1_itl_ms']} ms; --cpu-threads 1: {h['c1_itl_ms']} ms; auto / by hand "
                   f"{ratio(a['c1_itl_ms'], h['c1_itl_ms'])}")
+        if per_model.get("quota"):
+            q = per_model["quota"]
+            auto = q["auto"]["none"]
+            print(f"\n{model_name} in a cgroup with a quota of 1 CPU (loadtest/cpu_quota.py): auto "
+                  f"({q['auto'].get('cpu_threads_fact', '?')})")
+            print(f"| threads | c=1 ITL ms (median gap) | c=1 mean gap ms | c={n} tok/s | ITL vs auto |")
+            print("|---|---|---|---|---|")
+            for key in ("auto", "cpu_threads_1", "cpu_threads_2"):
+                m = q[key]["none"]
+                print(f"| {key} | {m['c1_itl_ms']} | {m['c1']['mean_itl_ms']} | {m[f'c{n}_tok_s']} "
+                      f"| {ratio(m['c1_itl_ms'], auto['c1_itl_ms'])} |")
     path = ns.json or ns.out / "results.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=str))

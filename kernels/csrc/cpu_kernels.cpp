@@ -2685,4 +2685,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, release());
   m.def("set_openmp_loops", &set_openmp_loops);
   m.def("set_kernel_threads", &set_kernel_threads);
+  m.def("set_pool_spin_us", [](int64_t us) {
+    return pagoda::WorkPool::instance().worker_spin_us.exchange(std::max<int64_t>(0, us));
+  });
 }
