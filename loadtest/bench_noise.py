@@ -5,6 +5,7 @@ busy neighbour, at two model sizes (issue 40's benchmark).
     python -m loadtest.bench_noise --models bundled llama-1b --noise none nice0
     python -m loadtest.bench_noise --parts limit            # under `taskset -c 0`: auto vs --cpu-threads 1
     python -m loadtest.bench_noise --parts quota            # in a cgroup with a 1-CPU quota
+    python -m loadtest.bench_noise --weights int8 int4 --noise none   # INT8 vs Q8_0, INT4 vs Q4_0
     python -m loadtest.bench_noise --servers pagoda pagoda-openmp   # the work pool vs OpenMP's team
 
 Models: `bundled` (SmolLM2-135M-Instruct) and `llama-1b`, a random-weight Llama made here
@@ -12,6 +13,10 @@ at first use (Llama-3.2-1B's hidden size 2048, 16 layers, 32 heads and 8 KV head
 5632, the bundled tokenizer's 49,152-token vocabulary: 0.82B parameters, bf16; no download),
 each converted to a bf16 GGUF by llama.cpp's own `convert_hf_to_gguf.py` (found beside the
 llama-server binary's source tree, or `--llama-cpp-dir`), so both servers read the same weights.
+
+`--weights int8 int4`: Pagoda's `--quantization int8` (weight-only, per output channel)
+against llama.cpp on a Q8_0 GGUF (the converter's `--outtype q8_0`), and `int4` (groups of
+128 with zero points) against Q4_0 (`llama-quantize`, built beside llama-server).
 
 Servers, one at a time (each stopped, its whole process group, before the next starts):
 `pagoda` (bf16), `pagoda-openmp` (the same with PAGODA_CPU_LOOPS=openmp: the kernels' loops
@@ -97,8 +102,8 @@ def llama_cpp_dir(given: Path | None, binary: str | None) -> Path | None:
     return None
 
 
-def convert_to_gguf(model: Path, tree: Path, out: Path) -> Path:
-    """`model` as a bf16 GGUF written by llama.cpp's own converter (made once).
+def convert_to_gguf(model: Path, tree: Path, out: Path, outtype: str = "bf16") -> Path:
+    """`model` as a GGUF (`outtype` bf16 or q8_0) written by llama.cpp's own converter (made once).
 
     The converter reads from a folder of links to the model's files with one change: the
     tokenizer's `byte_fallback` off. The bundled tokenizer is byte-level BPE (its
@@ -118,8 +123,32 @@ def convert_to_gguf(model: Path, tree: Path, out: Path) -> Path:
     tokenizer["model"]["byte_fallback"] = False
     (staged / "tokenizer.json").write_text(json.dumps(tokenizer))
     env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"))
-    subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(staged), "--outtype", "bf16",
+    subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(staged), "--outtype", outtype,
                     "--outfile", str(out)], check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
+
+
+# Pagoda's `--quantization` for each `--weights`, and the llama.cpp GGUF type it is set against:
+# INT8 weight-only per output channel vs Q8_0 (blocks of 32, one scale each); INT4 weight-only
+# in groups of 128 with zero points vs Q4_0 (blocks of 32, symmetric).
+WEIGHTS = {"bf16": (None, "bf16"), "int8": ("int8", "q8_0"), "int4": ("int4", "q4_0")}
+
+
+def model_gguf(model: Path, tree: Path, binary: str | None, out_dir: Path, model_name: str, weights: str) -> Path:
+    """The GGUF llama-server reads for `weights`: bf16 and Q8_0 from llama.cpp's converter,
+    Q4_0 by llama.cpp's `llama-quantize` (beside the llama-server binary) from the bf16 one."""
+    gguf_type = WEIGHTS[weights][1]
+    if gguf_type in ("bf16", "q8_0"):
+        return convert_to_gguf(model, tree, out_dir / f"{model_name}-{gguf_type}.gguf", gguf_type)
+    out = out_dir / f"{model_name}-{gguf_type}.gguf"
+    if out.is_file():
+        return out
+    source = convert_to_gguf(model, tree, out_dir / f"{model_name}-bf16.gguf")
+    quantize = Path(binary).resolve().parent / "llama-quantize" if binary else None
+    if quantize is None or not quantize.is_file():
+        raise FileNotFoundError(f"no llama-quantize beside {binary} (build the target `llama-quantize`; README)")
+    subprocess.run([str(quantize), str(source), str(out), gguf_type.upper()], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 
 
@@ -159,12 +188,14 @@ class Neighbour:
             self.proc.wait()
 
 
-def server_spec(name: str, model: Path, gguf: Path, ns: argparse.Namespace) -> ServerSpec | Skipped:
+def server_spec(name: str, model: Path, gguf: Path, ns: argparse.Namespace, weights: str = "bf16") -> ServerSpec | Skipped:
     cpus = len(os.sched_getaffinity(0))
+    method = WEIGHTS[weights][0]
+    pagoda_args = shlex.split(ns.pagoda_args) + (["--quantization", method] if method else [])
     if name == "pagoda":
-        return pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args))
+        return pagoda_spec(model, "bfloat16", pagoda_args)
     if name == "pagoda-openmp":
-        spec = pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args))
+        spec = pagoda_spec(model, "bfloat16", pagoda_args)
         spec.name, spec.env = "pagoda-openmp", {"PAGODA_CPU_LOOPS": "openmp"}
         return spec
     if name == "llama.cpp":
@@ -291,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["pagoda", "pagoda-openmp", "llama.cpp"])
     ap.add_argument("--noise", nargs="+", default=["none", "nice0", "nice19"], choices=list(NOISE))
     ap.add_argument("--parts", nargs="+", default=["peers"], choices=["peers", "limit", "quota"])
+    ap.add_argument("--weights", nargs="+", default=["bf16"], choices=list(WEIGHTS),
+                    help="bf16, int8 (Pagoda --quantization int8 vs llama.cpp Q8_0), int4 (int4 vs Q4_0)")
     ap.add_argument("--rounds", type=int, default=1, help="the servers this many times, in alternating order")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=32)
@@ -316,14 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     tree = llama_cpp_dir(ns.llama_cpp_dir, binary)
     results: dict = {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "args": vars(ns) | {
         "out": str(ns.out), "json": str(ns.json), "llama_cpp_dir": str(tree), "llama_server": binary}}
+    labels = []
     for model_name in ns.models:
         model = bundled if model_name == "bundled" else random_llama_1b(bundled, ns.out / "models" / "llama-1b")
-        gguf = None
-        if "llama.cpp" in ns.servers and "peers" in ns.parts:
-            if tree is None:
-                print("[noise] llama.cpp skipped: no convert_hf_to_gguf.py (--llama-cpp-dir)", file=sys.stderr)
-            else:
-                gguf = convert_to_gguf(model, tree, ns.out / "models" / f"{model_name}-bf16.gguf")
         source = TextSource(bundled)
         spec = DatasetSpec("random", input_len=LengthRange(ns.input_len, ns.input_len),
                            output_len=LengthRange(ns.output_len, ns.output_len))
@@ -331,32 +359,43 @@ def main(argv: list[str] | None = None) -> int:
         many = build_dataset(spec, ns.streams, seed=2, source=source)
         warm = build_dataset(DatasetSpec("random", input_len=LengthRange(ns.input_len, ns.input_len),
                                          output_len=LengthRange(8, 8)), 4, seed=3, source=source)
-        per_model: dict = {"model": str(model), "gguf": str(gguf) if gguf else None, "rounds": []}
-        if "peers" in ns.parts:
-            for r in range(ns.rounds):
-                order = ns.servers if r % 2 == 0 else list(reversed(ns.servers))
-                got = {}
-                for name in order:
-                    s = server_spec(name, model, gguf, ns)
-                    if isinstance(s, Skipped):
-                        print(f"[noise] {s.name} skipped: {s.reason}", file=sys.stderr)
-                        continue
-                    got[name] = run_server(s, ns, one, many, warm, ns.out / "logs", ns.noise)
-                per_model["rounds"].append(got)
-        if "limit" in ns.parts:
-            auto = run_server(pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args)), ns, one, many, warm,
-                              ns.out / "logs", ["none"], taskset="0")
-            by_hand = run_server(pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args) + ["--cpu-threads", "1"]),
-                                 ns, one, many, warm, ns.out / "logs", ["none"], taskset="0")
-            per_model["limit"] = {"auto": auto, "cpu_threads_1": by_hand}
-        if "quota" in ns.parts:
-            per_model["quota"] = quota_part(model, ns, one, many, warm)
-        results[model_name] = per_model
+        for weights in ns.weights:
+            label = model_name if weights == "bf16" else f"{model_name} {weights} (llama.cpp {WEIGHTS[weights][1]})"
+            labels.append(label)
+            gguf = None
+            if "llama.cpp" in ns.servers and "peers" in ns.parts:
+                if tree is None:
+                    print("[noise] llama.cpp skipped: no convert_hf_to_gguf.py (--llama-cpp-dir)", file=sys.stderr)
+                else:
+                    gguf = model_gguf(model, tree, binary, ns.out / "models", model_name, weights)
+            per_model: dict = {"model": str(model), "weights": weights, "gguf": str(gguf) if gguf else None,
+                               "rounds": []}
+            if "peers" in ns.parts:
+                for r in range(ns.rounds):
+                    order = ns.servers if r % 2 == 0 else list(reversed(ns.servers))
+                    got = {}
+                    for name in order:
+                        s = server_spec(name, model, gguf, ns, weights)
+                        if isinstance(s, Skipped):
+                            print(f"[noise] {s.name} skipped: {s.reason}", file=sys.stderr)
+                            continue
+                        got[name] = run_server(s, ns, one, many, warm, ns.out / "logs", ns.noise)
+                    per_model["rounds"].append(got)
+            if "limit" in ns.parts and weights == "bf16":
+                auto = run_server(pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args)), ns, one, many, warm,
+                                  ns.out / "logs", ["none"], taskset="0")
+                by_hand = run_server(
+                    pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args) + ["--cpu-threads", "1"]),
+                    ns, one, many, warm, ns.out / "logs", ["none"], taskset="0")
+                per_model["limit"] = {"auto": auto, "cpu_threads_1": by_hand}
+            if "quota" in ns.parts and weights == "bf16":
+                per_model["quota"] = quota_part(model, ns, one, many, warm)
+            results[label] = per_model
 
     n = ns.streams
     print(f"\nCPU serving next to other work ({os.cpu_count()} CPUs; {ns.output_len} greedy tokens, ignore_eos, "
           f"{ns.input_len}-token prompts; c=1 median ITL over {ns.itl_requests} requests, c={n} output tok/s)")
-    for model_name in ns.models:
+    for model_name in labels:
         per_model = results[model_name]
         for r, got in enumerate(per_model["rounds"]):
             print(f"\n{model_name}, round {r + 1}:")

@@ -826,6 +826,31 @@ constexpr int64_t kPartKeys = 128;  // keys a part of a split item takes at leas
 // sum_j l_j e^(m_j - M), M the largest m_j. The same float arithmetic as one pass up to the
 // order of the sums; rounded to bf16 once. False (nothing done) where the step does not
 // qualify: then the items run as they are.
+// Merges one query row's split-key parts into its output (flash-decoding's split-K): part
+// j's partial (`partial(j)`: HD floats of its exp-weighted value sum, then its running max m_j
+// and its weight sum l_j; l_j = 0 where none of the part's keys is the row's) scaled by
+// e^(m_j - M), M the largest m_j, summed in part order, divided by the scaled weight sum and
+// rounded to bf16 once into `dst`. The one merge of attention_parts and attention_invariant.
+template <int64_t HD, typename PartialOf>
+inline void merge_row_parts(int64_t n_parts, PartialOf partial, uint16_t* dst) {
+  float big = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n_parts; ++j) {
+    const float* pr = partial(j);
+    if (pr[HD + 1] > 0.f) big = std::max(big, pr[HD]);
+  }
+  float total = 0.f;
+  float acc[HD] = {};
+  for (int64_t j = 0; j < n_parts; ++j) {
+    const float* pr = partial(j);
+    if (!(pr[HD + 1] > 0.f)) continue;  // no key of this part is the row's
+    const float f = std::exp(pr[HD] - big);
+    total += pr[HD + 1] * f;
+    for (int64_t d = 0; d < HD; ++d) acc[d] += pr[d] * f;
+  }
+  const float inv = 1.f / total;
+  for (int64_t d = 0; d < HD; ++d) dst[d] = bf16_bits(acc[d] * inv);
+}
+
 template <int64_t HD>
 bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, const c10::BFloat16* kc,
                      const c10::BFloat16* vc, const int32_t* tables, int64_t max_blocks, c10::BFloat16* o,
@@ -870,23 +895,8 @@ bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, con
     const Item& w = items[parts[i].item];
     const int64_t rows = (w.i1 - w.i0) * g, q_start = qsl[w.seq];
     for (int64_t r = 0; r < rows; ++r) {
-      float big = -std::numeric_limits<float>::infinity();
-      for (int64_t j = i; j < e; ++j) {
-        const float* pr = partials.data() + parts[j].offset + r * (HD + 2);
-        if (pr[HD + 1] > 0.f) big = std::max(big, pr[HD]);
-      }
-      float total = 0.f;
-      float acc[HD] = {};
-      for (int64_t j = i; j < e; ++j) {
-        const float* pr = partials.data() + parts[j].offset + r * (HD + 2);
-        if (!(pr[HD + 1] > 0.f)) continue;  // no key of this part is the row's
-        const float f = std::exp(pr[HD] - big);
-        total += pr[HD + 1] * f;
-        for (int64_t d = 0; d < HD; ++d) acc[d] += pr[d] * f;
-      }
-      const float inv = 1.f / total;
-      uint16_t* dst = ob + item_row(q_start, w.i0, r, g, H, w.h0) * HD;
-      for (int64_t d = 0; d < HD; ++d) dst[d] = bf16_bits(acc[d] * inv);
+      merge_row_parts<HD>(e - i, [&](int64_t j) { return partials.data() + parts[i + j].offset + r * (HD + 2); },
+                          ob + item_row(q_start, w.i0, r, g, H, w.h0) * HD);
     }
     i = e;
   }
@@ -1365,24 +1375,11 @@ void attention_invariant(const c10::BFloat16* q, const uint16_t* kc, const uint1
     const Item& w = items[it];
     const int64_t rows = (w.i1 - w.i0) * g, q_start = qsl[w.seq];
     uint16_t* ob = reinterpret_cast<uint16_t*>(o);
+    const int64_t first = first_part[it];
     for (int64_t r = 0; r < rows; ++r) {
-      float big = -std::numeric_limits<float>::infinity();
-      for (int64_t j = first_part[it]; j < first_part[it + 1]; ++j) {
-        const float* pr = partials + parts[j].offset + r * (HD + 2);
-        if (pr[HD + 1] > 0.f) big = std::max(big, pr[HD]);
-      }
-      float total = 0.f;
-      float acc[HD] = {};
-      for (int64_t j = first_part[it]; j < first_part[it + 1]; ++j) {
-        const float* pr = partials + parts[j].offset + r * (HD + 2);
-        if (!(pr[HD + 1] > 0.f)) continue;  // no key of this part is the row's
-        const float f = std::exp(pr[HD] - big);
-        total += pr[HD + 1] * f;
-        for (int64_t d = 0; d < HD; ++d) acc[d] += pr[d] * f;
-      }
-      const float inv = 1.f / total;
-      uint16_t* dst = ob + item_row(q_start, w.i0, r, g, H, w.h0) * HD;
-      for (int64_t d = 0; d < HD; ++d) dst[d] = bf16_bits(acc[d] * inv);
+      merge_row_parts<HD>(first_part[it + 1] - first,
+                          [&](int64_t j) { return partials + parts[first + j].offset + r * (HD + 2); },
+                          ob + item_row(q_start, w.i0, r, g, H, w.h0) * HD);
     }
   });
 }
