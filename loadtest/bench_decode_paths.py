@@ -3,6 +3,7 @@ alternating in one process, against the read-bandwidth bound measured between ro
 
     python -m loadtest.bench_decode_paths                        # bf16 (~2 min on 2 idle cores)
     python -m loadtest.bench_decode_paths --quantization int4    # INT4 weights, INT8 LM head
+    python -m loadtest.bench_decode_paths --model .cache/bench-noise/models/llama-1b   # the 1B-class Llama
     python -m loadtest.bench_decode_paths --quantization int8 --int8-gemv
                                            # also the per-op path with torch's int8 kernel
 
@@ -47,6 +48,8 @@ def step_seconds(llm, sampling_params) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a model folder (default: the bundled model); e.g. "
+                        "loadtest.bench_noise's 1B-class Llama, .cache/bench-noise/models/llama-1b")
     parser.add_argument("--dtype", default="bfloat16", help="the model dtype (the fused call takes bf16)")
     parser.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
     parser.add_argument("--int8-gemv", action="store_true", help="also the per-op path with torch's int8 kernel")
@@ -56,7 +59,7 @@ def main() -> None:
     from engine import LLM, SamplingParams
     from engine.quantization.linears import Int8Linear
 
-    llm = LLM(dtype=args.dtype, quantization=args.quantization)
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization)
     model = llm.engine_core.worker.model
     fused = model.fused_decode
     if fused is None:
