@@ -361,18 +361,37 @@ def run_worker_rank(ns: argparse.Namespace) -> int:
     return 0
 
 
-def prefer_passive_openmp() -> None:
+def _asks_torch_int4(argv: list[str]) -> bool:
+    """`--quantization int4` on the command line: INT4 linears on the CPU run torch's int4
+    kernel (`_weight_int4pack_mm_for_cpu`), on OpenMP's team, a few per layer of every step."""
+    for i, arg in enumerate(argv):
+        if arg == "--quantization" and i + 1 < len(argv) and argv[i + 1] == "int4":
+            return True
+        if arg == "--quantization=int4":
+            return True
+    return False
+
+
+def prefer_passive_openmp(argv: list[str] | None = None, environ=None) -> None:
     """OMP_WAIT_POLICY=passive for this process unless the user set it: torch's idle OpenMP
     threads then sleep at once instead of spinning on the cores the C++ kernels' work pool
     needs (engine/cpu_threads.py says why). Not with PAGODA_CPU_LOOPS=openmp (the kernels as
-    they were before the pool, for A/B benchmarks). Takes effect only before torch (its
-    libgomp) loads, so `main` calls it first; this module imports no torch at the top."""
-    if os.environ.get("PAGODA_CPU_LOOPS") != "openmp" and "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    they were before the pool, for A/B benchmarks), and not for `--quantization int4`: its
+    linears run on OpenMP's team several times per layer, and each would pay a sleeping
+    thread's wake-up (the batch-1 INT4 step took about twice as long passive as spinning in
+    `python -m loadtest.bench_decode_paths --quantization int4`, docs/BENCHMARKS.md). (A
+    folder quantized to INT4 beforehand is not seen here: its policy is the passive one;
+    `OMP_WAIT_POLICY=active` sets it by hand.) Takes effect only before torch (its libgomp)
+    loads, so `main` calls it first; this module imports no torch at the top."""
+    environ = os.environ if environ is None else environ
+    argv = sys.argv[1:] if argv is None else argv
+    if environ.get("PAGODA_CPU_LOOPS") == "openmp" or "torch" in sys.modules or _asks_torch_int4(argv):
+        return
+    environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
 def main(argv: list[str] | None = None) -> int:
-    prefer_passive_openmp()  # before anything loads torch
+    prefer_passive_openmp(sys.argv[1:] if argv is None else argv)  # before anything loads torch
     parser = build_parser()
     try:
         ns = parse_serve_args(parser, argv)
