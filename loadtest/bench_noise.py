@@ -261,12 +261,9 @@ def measure(url: str, model: str | None, one, many, streams: int, cap_s: float) 
 
 
 def run_server(spec: ServerSpec, ns: argparse.Namespace, one, many, warm, log_dir: Path,
-               noises: list[str], taskset: str | None = None, wrap=None) -> dict:
-    """Start `spec` (under `taskset -c taskset`, and through `wrap(command)`, e.g. into a
-    cgroup, when given), warm it, measure it under each noise, stop it."""
-    if taskset:
-        spec = ServerSpec(spec.name, ["taskset", "-c", taskset, *spec.command], spec.model, spec.env,
-                          spec.ready_paths)
+               noises: list[str], wrap=None) -> dict:
+    """Start `spec` (through `wrap(command)` when given: under taskset, into a cgroup), warm
+    it, measure it under each noise, stop it."""
     if wrap is not None:
         spec = ServerSpec(spec.name, wrap(list(spec.command)), spec.model, spec.env, spec.ready_paths)
     print(f"[noise] {spec.name}: {spec.display_command()} (load average {os.getloadavg()[0]:.2f})",
@@ -382,11 +379,14 @@ def main(argv: list[str] | None = None) -> int:
                         got[name] = run_server(s, ns, one, many, warm, ns.out / "logs", ns.noise)
                     per_model["rounds"].append(got)
             if "limit" in ns.parts and weights == "bf16":
+                def cpu0(command: list[str]) -> list[str]:
+                    return ["taskset", "-c", "0", *command]
+
                 auto = run_server(pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args)), ns, one, many, warm,
-                                  ns.out / "logs", ["none"], taskset="0")
+                                  ns.out / "logs", ["none"], wrap=cpu0)
                 by_hand = run_server(
                     pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args) + ["--cpu-threads", "1"]),
-                    ns, one, many, warm, ns.out / "logs", ["none"], taskset="0")
+                    ns, one, many, warm, ns.out / "logs", ["none"], wrap=cpu0)
                 per_model["limit"] = {"auto": auto, "cpu_threads_1": by_hand}
             if "quota" in ns.parts and weights == "bf16":
                 per_model["quota"] = quota_part(model, ns, one, many, warm)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,10 +67,16 @@ def cpu_quota_cgroup(cpus: float, root: Path = CGROUP_ROOT,
             folder = None
             continue
         break
-    if folder is None:
+    procs = folder / "cgroup.procs" if folder is not None else None
+    # A cgroup that takes no process (cgroup v2's rule against processes in inner nodes, a
+    # delegated subtree without write access to cgroup.procs) is no use: check with a shell.
+    if procs is not None and subprocess.run(["sh", "-c", 'echo $$ > "$0"', str(procs)],
+                                            capture_output=True).returncode != 0:
+        _remove(folder)
+        procs = None
+    if procs is None:
         yield None
         return
-    procs = folder / "cgroup.procs"
 
     def wrap(command: list[str]) -> list[str]:
         return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *command]
@@ -77,9 +84,13 @@ def cpu_quota_cgroup(cpus: float, root: Path = CGROUP_ROOT,
     try:
         yield wrap
     finally:
-        for _ in range(50):  # the command's last threads may still be leaving
-            try:
-                folder.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        _remove(folder)
+
+
+def _remove(folder: Path) -> None:
+    for _ in range(50):  # the last process's threads may still be leaving
+        try:
+            folder.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)

@@ -817,15 +817,6 @@ struct Item {
 #if defined(__AVX512BF16__)
 constexpr int64_t kPartKeys = 128;  // keys a part of a split item takes at least
 
-// A step of few decodes whose items (one per sequence and KV head) are fewer than twice the
-// threads: at batch 1 of a model with 3 KV heads, 3 items on 2 threads, so one thread
-// attends two heads while the other waits. Each item's keys are split into parts (enough
-// for two per thread, each of at least kPartKeys keys), every part computes its rows'
-// unnormalised sums, maximum and softmax sum (attend_rows_bf16 with `partial`), and the
-// parts are merged (flash-decoding's split-K): out = sum_j acc_j e^(m_j - M) /
-// sum_j l_j e^(m_j - M), M the largest m_j. The same float arithmetic as one pass up to the
-// order of the sums; rounded to bf16 once. False (nothing done) where the step does not
-// qualify: then the items run as they are.
 // Merges one query row's split-key parts into its output (flash-decoding's split-K): part
 // j's partial (`partial(j)`: HD floats of its exp-weighted value sum, then its running max m_j
 // and its weight sum l_j; l_j = 0 where none of the part's keys is the row's) scaled by
@@ -851,6 +842,15 @@ inline void merge_row_parts(int64_t n_parts, PartialOf partial, uint16_t* dst) {
   for (int64_t d = 0; d < HD; ++d) dst[d] = bf16_bits(acc[d] * inv);
 }
 
+// A step of few decodes whose items (one per sequence and KV head) are fewer than twice the
+// threads: at batch 1 of a model with 3 KV heads, 3 items on 2 threads, so one thread
+// attends two heads while the other waits. Each item's keys are split into parts (enough
+// for two per thread, each of at least kPartKeys keys), every part computes its rows'
+// unnormalised sums, maximum and softmax sum (attend_rows_bf16 with `partial`), and the
+// parts are merged (flash-decoding's split-K): out = sum_j acc_j e^(m_j - M) /
+// sum_j l_j e^(m_j - M), M the largest m_j. The same float arithmetic as one pass up to the
+// order of the sums; rounded to bf16 once. False (nothing done) where the step does not
+// qualify: then the items run as they are.
 template <int64_t HD>
 bool attention_parts(const std::vector<Item>& items, const c10::BFloat16* q, const c10::BFloat16* kc,
                      const c10::BFloat16* vc, const int32_t* tables, int64_t max_blocks, c10::BFloat16* o,
@@ -2682,7 +2682,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, release());
   m.def("set_openmp_loops", &set_openmp_loops);
   m.def("set_kernel_threads", &set_kernel_threads);
-  m.def("set_pool_spin_us", [](int64_t us) {
-    return pagoda::WorkPool::instance().worker_spin_us.exchange(std::max<int64_t>(0, us));
-  });
 }

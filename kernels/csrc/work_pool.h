@@ -60,8 +60,7 @@ class WorkPool {
 
   // How long a worker spins for the next loop before it sleeps: a decode step's loops
   // follow one another within microseconds, its steps within a millisecond or so.
-  static constexpr int64_t kDefaultWorkerSpinUs = 20;
-  std::atomic<int64_t> worker_spin_us{kDefaultWorkerSpinUs};
+  static constexpr std::chrono::microseconds kWorkerSpin{20};
   // How long the caller spins for chunks in flight before it sleeps.
   static constexpr std::chrono::microseconds kCallerSpin{50};
 
@@ -144,11 +143,7 @@ class WorkPool {
       for (int spins = 0; (gen = generation_.load(std::memory_order_acquire)) == seen; ++spins) {
         if (stop_.load(std::memory_order_relaxed)) return;
         cpu_relax();
-        if ((spins & 63) != 63 ||
-            std::chrono::steady_clock::now() - start <
-                std::chrono::microseconds(worker_spin_us.load(std::memory_order_relaxed))) {
-          continue;
-        }
+        if ((spins & 63) != 63 || std::chrono::steady_clock::now() - start < kWorkerSpin) continue;
         sleeping_workers_.fetch_add(1, std::memory_order_seq_cst);
         if (generation_.load(std::memory_order_seq_cst) == seen && !stop_.load(std::memory_order_seq_cst)) {
           futex_wait(&generation_, seen);
