@@ -21,7 +21,8 @@ pauses (milliseconds) after every parallel op, on the cores the pool's threads n
 (loadtest/bench_noise.py's quiet A/B shows what that costs). `pagoda` therefore starts with
 OMP_WAIT_POLICY=passive (server/cli.py `prefer_passive_openmp`, before torch loads; a value
 the user set is kept): torch's idle threads sleep at once, each parallel torch op pays a wake-up instead.
-Not under `--quantization int4`, whose linears are torch's OpenMP kernel, a few per layer.
+INT4 and INT8 linears run C++ kernels on the pool too (where the kernels build with
+AVX512-BF16), so a decode step has no parallel torch op left.
 """
 
 from __future__ import annotations

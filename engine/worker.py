@@ -368,8 +368,9 @@ def quantized_linear_fallbacks(model: torch.nn.Module, device: torch.device) -> 
         out.append(f"{int8} INT8 linear(s) dequantize their weight every call: torch's int8 CPU kernel failed its probe")
     if int4:
         out.append(
-            f"{int4} INT4 linear(s) dequantize their weight every call: torch's int4 CPU kernel failed its probe "
-            "or does not take their group size (32, 64, 128, 256)"
+            f"{int4} INT4 linear(s) dequantize their weight every call: neither CPU int4 kernel takes their group "
+            "size here (Pagoda's: AVX512-BF16, a multiple of 16 dividing the inputs; torch's: 32, 64, 128 or 256, "
+            "and its probe passing)"
         )
     if w8a8 and not cpu_int_mm_available():
         out.append(f"{w8a8} W8A8 linear(s) run the float64 reference: torch._int_mm failed its probe")

@@ -205,6 +205,26 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> 
     return _rowwise(lambda out, rows: load().int8_gemv(out, rows, packed, scales), x, packed.shape[0])
 
 
+def pack_int4_weight(q: torch.Tensor, scale_offset: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The int4 kernel's copy of a W4A16 weight: q uint8 [N, K] in [0, 15], `scale_offset`
+    bf16 [K / group_size, N, 2] (scale, offset) as torch's CPU int4 layout holds them
+    (kernels/quant_linear.py `int4_scale_offset`: w = (q - 8) * scale + offset), the group
+    size a multiple of 16 that divides K (csrc/cpu_kernels.cpp `pack_int4_weight`): a
+    [N, K / 2] uint8 tensor read only by `int4_linear` and `bf16_decode_layers`. Only where
+    `bf16_gemv_available()`."""
+    return load().pack_int4_weight(q, scale_offset, group_size)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`x @ W.T` for bf16 x, W the int4 weight `packed` = `pack_int4_weight(...)` with groups of
+    `group_size` (csrc/cpu_kernels.cpp `int4_linear_impl`): per input group one float32
+    chain of vdpbf16ps over bf16(q - 8), times the scale, plus the offset times the group's
+    sum of x; rounded to bf16 once. Every row count, batch-invariant, on the work pool (no
+    OpenMP), the nibbles streamed as they are (a quarter of bf16's bytes). Only where
+    `bf16_gemv_available()`."""
+    return _rowwise(lambda out, rows: load().int4_gemv(out, rows, packed, group_size), x, packed.shape[0])
+
+
 def bf16_silu_mlp(x: torch.Tensor, gate_up_packed: torch.Tensor, down_packed: torch.Tensor) -> torch.Tensor:
     """`F.linear(F.silu(gate) * up, down_weight)` with `gate, up = F.linear(x, gate_up_weight)
     .chunk(2, -1)`, bfloat16 and without biases, in one call (csrc/cpu_kernels.cpp
@@ -234,7 +254,7 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
     `layer_tensors`: 14 per layer: input norm; qkv and o as (weight, bias, scales);
     post-attention norm; gate_up and down as (weight, bias, scales), an empty tensor for
     a missing bias or scales. `kinds`: each layer's 4 linears: 0 a bf16 weight packed by
-    `pack_bf16_weight`, G > 0 torch's CPU int4 layout with group size G, -1 int8 with bf16 row scales.
+    `pack_bf16_weight`, G > 0 int4 packed by `pack_int4_weight` with groups of G, -1 int8 with bf16 row scales.
     `kv_caches`: key, value per layer, bf16 or int8 (kernels/kv_quant.py: always read on the
     invariant route); `windows`: each layer's sliding window (0: none).
     Only where `bf16_gemv_available()` and `few_rows_q_chunk` is not None for the head

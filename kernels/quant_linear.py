@@ -14,6 +14,9 @@ reference path. W8A16 on an AVX512-BF16 CPU runs Pagoda's C++ int8 kernel instea
 every row count, once the engine has packed the weight for it (`Int8Linear.kernel_weight`):
 one arithmetic per output whatever the rows (batch-invariant), and at decode it streams the
 int8 weight ~1.7x faster than torch's kernel (kernels/cpu_kernels.py `int8_linear`).
+W4A16 likewise runs Pagoda's C++ int4 kernel on such a CPU (`Int4Linear` then holds only
+its layout: engine/quantization/linears.py `cpu_int4_tensors`, kernels/cpu_kernels.py
+`int4_linear`); torch's int4 kernel here serves where that kernel does not build.
 
 W8A8 (`w8a8_linear`: int8 weights, activations quantized per token at run time) on CPU
 runs `torch._int_mm` (int8 x int8 -> int32) on the stored [N, K] weight (a transposed
@@ -132,8 +135,18 @@ def pack_int4_cpu(
     That kernel computes w = (q - 8) * scale + offset, so offset = scale * (8 - zero).
     """
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    return packed, int4_scale_offset(scales, zeros)
+
+
+def int4_scale_offset(
+    scales: torch.Tensor,  # [K / G, N]
+    zeros: torch.Tensor | None,  # [K / G, N] zero points (integer, or float: GGUF Q4_1); None = 8
+) -> torch.Tensor:
+    """bf16 [K / G, N, 2]: (scale, offset) per group and output with offset = scale * (8 - zero),
+    so that w = (q - 8) * scale + offset: the form both CPU int4 kernels take (torch's and
+    Pagoda's, kernels/cpu_kernels.py `pack_int4_weight`)."""
     offset = scales * (8 - (8 if zeros is None else zeros.float()))
-    return packed, torch.stack([scales.float(), offset.float()], dim=-1).to(torch.bfloat16).contiguous()
+    return torch.stack([scales.float(), offset.float()], dim=-1).to(torch.bfloat16).contiguous()
 
 
 def w4a16_linear_cpu(
@@ -202,6 +215,7 @@ __all__ = [
     "cpu_int8_mm_available",
     "cpu_int_mm_available",
     "dequantize_w4_ref",
+    "int4_scale_offset",
     "pack_int4_cpu",
     "use_triton",
     "w4a16_linear",

@@ -6,12 +6,17 @@ alternating in one process, against the read-bandwidth bound measured between ro
     python -m loadtest.bench_decode_paths --model .cache/bench-noise/models/llama-1b   # the 1B-class Llama
     python -m loadtest.bench_decode_paths --quantization int8 --int8-gemv
                                            # also the per-op path with torch's int8 kernel
+    python -m loadtest.bench_decode_paths --quantization int4 --torch-int4
+                                           # also the per-op path with torch's int4 kernel
 
 The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
 - fused: every decoder layer of the step in one C++ call (the engine's route);
 - per-op: the model's Python forward, one kernel call per op (`PAGODA_CPU_FUSED_DECODE=0`);
 - per-op, torch int8 (`--int8-gemv`): also W8A16 through torch's `_weight_int8pack_mm`
-  instead of Pagoda's int8 kernel (each `Int8Linear`'s packed copy set aside).
+  instead of Pagoda's int8 kernel (each `Int8Linear`'s packed copy set aside);
+- per-op, torch int4 (`--torch-int4`): a second engine whose INT4 linears are in torch's CPU
+  layout (`_weight_int4pack_mm_for_cpu`, on OpenMP's team: what served INT4 before Pagoda's
+  int4 kernel), run per op (the fused call takes Pagoda's kernels only).
 
 This VM's memory bandwidth drifts by up to 2x over minutes, so the paths take turns, round
 after round, and the read bandwidth (`bench_offline.measure_read_bandwidth_gbs`) is measured
@@ -53,13 +58,28 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the model dtype (the fused call takes bf16)")
     parser.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
     parser.add_argument("--int8-gemv", action="store_true", help="also the per-op path with torch's int8 kernel")
+    parser.add_argument("--torch-int4", action="store_true", help="also the per-op path with torch's int4 kernel "
+                        "(with --quantization int4)")
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
 
     from engine import LLM, SamplingParams
+    import engine.quantization.linears as linears
     from engine.quantization.linears import Int8Linear
 
+    if args.torch_int4 and args.quantization != "int4":
+        parser.error("--torch-int4 compares INT4 kernels: give --quantization int4")
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization)
+    torch_int4 = None
+    if args.torch_int4:  # INT4 linears in torch's layout: `cpu_int4_tensors` without Pagoda's kernel
+        kernel_check, linears.gemv_enabled = linears.gemv_enabled, lambda: False
+        try:
+            torch_int4 = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization)
+        finally:
+            linears.gemv_enabled = kernel_check
+        if not any(isinstance(m, linears.Int4Linear) and not m.kernel and m.cpu_packed
+                   for m in torch_int4.engine_core.worker.model.modules()):
+            sys.exit("torch's CPU int4 kernel does not run here (its probe failed)")
     model = llm.engine_core.worker.model
     fused = model.fused_decode
     if fused is None:
@@ -71,21 +91,25 @@ def main() -> None:
         for linear, packed in int8_linears.items():
             linear.kernel_weight = None if path == "per-op, torch int8" else packed
 
-    paths = ["fused", "per-op"] + (["per-op, torch int8"] if args.int8_gemv else [])
+    paths = (["fused", "per-op"] + (["per-op, torch int8"] if args.int8_gemv else [])
+             + (["per-op, torch int4"] if torch_int4 else []))
+
+    def engine(path: str):
+        return torch_int4 if path == "per-op, torch int4" else llm
 
     def params(max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     for path in paths:  # warm-up
         use(path)
-        step_seconds(llm, params)
+        step_seconds(engine(path), params)
     steps: dict[str, list[float]] = {p: [] for p in paths}
     bandwidths = []
     for r in range(args.rounds):
         bandwidths.append(measure_read_bandwidth_gbs())
         for path in paths:
             use(path)
-            steps[path].append(step_seconds(llm, params))
+            steps[path].append(step_seconds(engine(path), params))
         print(f"round {r + 1}: read {bandwidths[-1]:.1f} GB/s, "
               + ", ".join(f"{p} {steps[p][-1] * 1e3:.2f} ms" for p in paths), file=sys.stderr, flush=True)
     use("fused")

@@ -361,37 +361,24 @@ def run_worker_rank(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _asks_torch_int4(argv: list[str]) -> bool:
-    """`--quantization int4` on the command line: INT4 linears on the CPU run torch's int4
-    kernel (`_weight_int4pack_mm_for_cpu`), on OpenMP's team, a few per layer of every step."""
-    for i, arg in enumerate(argv):
-        if arg == "--quantization" and i + 1 < len(argv) and argv[i + 1] == "int4":
-            return True
-        if arg == "--quantization=int4":
-            return True
-    return False
-
-
-def prefer_passive_openmp(argv: list[str] | None = None, environ=None) -> None:
+def prefer_passive_openmp(environ=None) -> None:
     """OMP_WAIT_POLICY=passive for this process unless the user set it: torch's idle OpenMP
     threads then sleep at once instead of spinning on the cores the C++ kernels' work pool
     needs (engine/cpu_threads.py says why). Not with PAGODA_CPU_LOOPS=openmp (the kernels as
-    they were before the pool, for A/B benchmarks), and not for `--quantization int4`: its
-    linears run on OpenMP's team several times per layer, and each would pay a sleeping
-    thread's wake-up (the batch-1 INT4 step took about twice as long passive as spinning in
-    `python -m loadtest.bench_decode_paths --quantization int4`, docs/BENCHMARKS.md). (A
-    folder quantized to INT4 beforehand is not seen here: its policy is the passive one;
-    `OMP_WAIT_POLICY=active` sets it by hand.) Takes effect only before torch (its libgomp)
-    loads, so `main` calls it first; this module imports no torch at the top."""
+    they were before the pool, for A/B benchmarks). Every decode kernel, INT4's and INT8's
+    included, runs on the pool where the C++ kernels build with AVX512-BF16; on a CPU without
+    it INT4 linears run torch's int4 kernel on OpenMP's team, a few per layer, each paying a
+    sleeping thread's wake-up (`OMP_WAIT_POLICY=active` by hand there). Takes effect only
+    before torch (its libgomp) loads, so `main` calls it first; this module imports no torch
+    at the top."""
     environ = os.environ if environ is None else environ
-    argv = sys.argv[1:] if argv is None else argv
-    if environ.get("PAGODA_CPU_LOOPS") == "openmp" or "torch" in sys.modules or _asks_torch_int4(argv):
+    if environ.get("PAGODA_CPU_LOOPS") == "openmp" or "torch" in sys.modules:
         return
     environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
 def main(argv: list[str] | None = None) -> int:
-    prefer_passive_openmp(sys.argv[1:] if argv is None else argv)  # before anything loads torch
+    prefer_passive_openmp()  # before anything loads torch
     parser = build_parser()
     try:
         ns = parse_serve_args(parser, argv)

@@ -13,10 +13,10 @@ How they map onto Pagoda's affine form w = scale * (q - zero) (engine/quantizati
 - Q4_0: scale d, zero 8, group 32: the same integers, exactly.
 - Q4_1: scale d, zero -m / d, group 32: the same integers; the zero point is fractional (the
   minimum m is not a multiple of d), so it is kept as a float32, which both INT4 kernels take
-  as it is: torch's CPU int4 kernel computes (q - 8) * scale + offset with
+  as it is: the CPU int4 kernels (Pagoda's and torch's) compute (q - 8) * scale + offset with
   offset = scale * (8 - zero) = 8 d + m, the AutoGPTQ-layout kernels (reference, Triton)
   (q - zero) * scale. Exact up to float32 rounding of -m / d and up to what each kernel stores:
-  the CPU kernel keeps scale and offset in bfloat16 (as for every INT4 weight it serves).
+  the CPU kernels keep scale and offset in bfloat16 (as for every INT4 weight they serve).
 - Q8_0: Pagoda's INT8 is one scale per output row, not per block of 32, so the Q8_0 weight is
   requantized per row (w = d_g q exactly, then symmetric per-channel RTN, as
   `--quantization int8` does): not exact, a second rounding of at most half a row step.

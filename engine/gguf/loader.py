@@ -27,9 +27,8 @@ from engine.models.llama import STACKED_PARAMS
 from engine.models.registry import model_class
 from engine.quantization.affine import pack_int4
 from engine.quantization.checkpoint import concat_shards
-from engine.quantization.linears import CPU_INT4_GROUP_SIZES, Int4Linear
+from engine.quantization.linears import Int4Linear, cpu_int4_tensors
 from engine.quantization.weights import QuantizedLinear, runtime_module
-from kernels.quant_linear import cpu_int4_mm_available, pack_int4_cpu
 
 
 def load_gguf_model(
@@ -105,15 +104,14 @@ def _fuse(weights: GGUFWeights) -> dict[str, QuantizedLinear]:
 
 def _runtime_module(ql: QuantizedLinear, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """`runtime_module`, except for Q4_1's fractional zero points, which `int4_linear` would
-    round to integers: they go to the kernels as float32 (see blocks.py)."""
+    round to integers: they go to the kernels as float32 (see blocks.py; the CPU kernels
+    fold them into each group's offset)."""
     qt = ql.qt
     if qt.bits != 4 or not torch.is_floating_point(qt.zero):
         return runtime_module(ql, dtype, device)
     scales, zeros = qt.scale.t().contiguous(), qt.zero.t().contiguous()  # [K / 32, N]
-    if device.type == "cpu" and cpu_int4_mm_available() and BLOCK in CPU_INT4_GROUP_SIZES:
-        packed, scales_and_zeros = pack_int4_cpu(qt.q, scales, zeros, BLOCK)
-        tensors = {"qweight": packed, "scales_and_zeros": scales_and_zeros}
-    else:
+    tensors = cpu_int4_tensors(qt.q, scales, zeros, BLOCK) if device.type == "cpu" else None
+    if tensors is None:
         tensors = {"qweight": pack_int4(qt.q), "scales": scales.to(dtype), "zeros": zeros.float()}
     bias = None if ql.bias is None else ql.bias.to(device, dtype)
     return Int4Linear({k: v.to(device) for k, v in tensors.items()}, BLOCK, bias)

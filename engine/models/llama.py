@@ -320,8 +320,8 @@ class FusedDecodeLayers:
     """A decode step's embedding lookup, every decoder layer and the final norm of its
     sampling rows (and a plain LM head's logits: `LlamaForCausalLM.decode_logits`) in one
     C++ call (kernels/cpu_kernels.py `bf16_decode_layers`), for the few bf16 rows the
-    decode linears' small-batch kernels take: the C++ bf16 kernel on packed weights, torch's int4
-    and int8 CPU kernels on quantized ones.
+    decode linears' small-batch kernels take: the C++ bf16, int4 and int8 kernels on their
+    packed weights.
 
     At batch 1 the bundled model's bf16 step streams ~270 MB of weights, ~8 ms at this
     project's VM's bandwidth, and the per-op forward adds ~10 Python calls per layer (each
@@ -333,7 +333,7 @@ class FusedDecodeLayers:
 
     `build` returns None unless every layer is the plain Llama block of this module
     (Llama, Mistral, Qwen2: no q/k norms, a SiLU MLP) whose linears are each a bf16 kernel
-    `Linear`, an `Int4Linear` in torch's CPU layout or an `Int8Linear` with bf16 scales,
+    `Linear`, an `Int4Linear` in the C++ int4 kernel's layout or an `Int8Linear` with bf16 scales,
     the head dim one the C++ attention's bf16 loops take, and the C++ kernels built with
     AVX512-BF16. `PAGODA_CPU_FUSED_DECODE=0` turns it off (the per-op path, for A/B runs)."""
 
@@ -374,7 +374,7 @@ class FusedDecodeLayers:
             self.tensors += [linear.kernel_weight, bias, none]
             self.kinds.append(0)
         elif _is_cpu_int4(linear):
-            self.tensors += [linear.qweight, bias, linear.scales_and_zeros]
+            self.tensors += [linear.kernel_weight, bias, none]
             self.kinds.append(linear.group_size)
         else:  # an Int8Linear with its packed copy (`_decode_kernel_runs`)
             self.tensors += [linear.kernel_weight, bias, linear.scales]
@@ -435,12 +435,12 @@ class FusedDecodeLayers:
 def _is_cpu_int4(linear: nn.Module) -> bool:
     from engine.quantization.linears import Int4Linear
 
-    return type(linear) is Int4Linear and linear.cpu_packed
+    return type(linear) is Int4Linear and linear.kernel
 
 
 def _decode_kernel_runs(linear: nn.Module) -> bool:
     """Whether the fused decode call runs this linear as the per-op forward does: the bf16
-    kernel (a `Linear` with a `kernel_weight`), torch's CPU int4 kernel (an `Int4Linear` in its
+    kernel (a `Linear` with a `kernel_weight`), the C++ int4 kernel (an `Int4Linear` in its
     layout) or the C++ int8 kernel (an `Int8Linear` with its packed copy and bf16 scales), bf16
     biases. Any other module (a GPTQ act-order `PermutedInputLinear`, which has no `bias` of its
     own and permutes its input first) is not run there: the model keeps the per-op forward."""

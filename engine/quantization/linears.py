@@ -9,7 +9,9 @@ a `QuantizedTensor` (affine.py). Nothing here chooses a method: `rtn.convert_mod
     PermutedInputLinear any of the above on permuted input columns (GPTQ act-order)
 
 INT8 weights are stored as `q - 128` (the symmetric zero point folded into int8) with one
-scale per row; INT4 in torch's CPU int4 layout where that kernel runs, else AutoGPTQ's.
+scale per row. INT4 on CPU in the layout of the fastest kernel that runs here
+(`cpu_int4_tensors`): Pagoda's C++ int4 kernel's (AVX512-BF16: batch-invariant, on the
+work pool), else torch's CPU int4 layout, else AutoGPTQ's (the reference; CUDA's Triton).
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import torch
 from torch import nn
 
 from engine.quantization.affine import QuantizedTensor, pack_int4
+from kernels import cpu_kernels
+from kernels.linear import gemv_enabled
 from kernels.quant_linear import (
     cpu_int4_mm_available,
     cpu_int8_mm_available,
+    int4_scale_offset,
     pack_int4_cpu,
     w4a16_linear,
     w4a16_linear_cpu,
@@ -51,23 +56,49 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Holds torch's CPU int4 layout when that kernel works here, else the AutoGPTQ layout."""
+    """One of three layouts, by its tensors (`cpu_int4_tensors`): `kernel_weight`, Pagoda's C++
+    int4 kernel's; `qweight` + `scales_and_zeros`, torch's CPU int4 kernel's; `qweight` +
+    `scales` + `zeros`, AutoGPTQ's (the Triton kernel on CUDA, else the reference)."""
 
     invariant = False  # as Int8Linear's
 
     def __init__(self, tensors: dict[str, torch.Tensor], group_size: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.group_size = group_size
-        self.cpu_packed = "scales_and_zeros" in tensors
+        self.kernel = "kernel_weight" in tensors  # Pagoda's int4 kernel (batch-invariant)
+        self.cpu_packed = self.kernel or "scales_and_zeros" in tensors  # a CPU kernel's layout, not the reference's
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            out = cpu_kernels.int4_linear(x.to(torch.bfloat16), self.kernel_weight, self.group_size).to(x.dtype)
+            return out if self.bias is None else out + self.bias
         if self.cpu_packed:
             return w4a16_linear_cpu(x, self.qweight, self.scales_and_zeros, self.group_size, self.bias)
         return w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
                             invariant=self.invariant)
+
+
+def cpu_int4_tensors(
+    q: torch.Tensor,  # [N, K] int in [0, 15]
+    scales: torch.Tensor,  # [K / G, N]
+    zeros: torch.Tensor,  # [K / G, N] zero points, integer or float (GGUF Q4_1)
+    group_size: int,
+) -> dict[str, torch.Tensor] | None:
+    """An `Int4Linear`'s tensors in the layout of the fastest CPU kernel that runs here for
+    this group size, or None where only the AutoGPTQ layout's reference would: Pagoda's int4
+    kernel where the bf16 one runs (`gemv_enabled`: AVX512-BF16; any group size that is a
+    multiple of 16 and divides K), else torch's (`_weight_int4pack_mm_for_cpu`, group sizes
+    32-256; OpenMP's fork-join team, and not batch-invariant)."""
+    if gemv_enabled() and group_size % 16 == 0 and q.shape[1] % group_size == 0:
+        kernel_weight = cpu_kernels.pack_int4_weight(q.to(torch.uint8), int4_scale_offset(scales, zeros), group_size)
+        return {"kernel_weight": kernel_weight}
+    if cpu_int4_mm_available() and group_size in CPU_INT4_GROUP_SIZES:
+        packed, scales_and_zeros = pack_int4_cpu(q, scales, zeros, group_size)
+        return {"qweight": packed, "scales_and_zeros": scales_and_zeros}
+    return None
 
 
 class W8A8Linear(nn.Module):
@@ -122,8 +153,8 @@ def int8_linear(qt: QuantizedTensor, bias: torch.Tensor | None, dtype: torch.dty
 
 
 def int4_linear(qt: QuantizedTensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> Int4Linear:
-    """The serving module of a per-group INT4 weight: torch's CPU int4 layout where that
-    kernel runs (group sizes 32..256), else the AutoGPTQ layout of the reference op."""
+    """The serving module of a per-group INT4 weight: on CPU the layout of the fastest kernel
+    that runs here (`cpu_int4_tensors`), else (CUDA, or no CPU kernel) the AutoGPTQ layout."""
     scales, zeros = qt.scale.t().contiguous(), qt.zero.t().contiguous()  # [K / G, N]
     if device.type == "cuda" and not (qt.group_size % 8 == 0 and qt.q.shape[1] % qt.group_size == 0):
         # The Triton kernel takes any multiple of 8 (group -1 is G = K): refused here, at
@@ -132,10 +163,8 @@ def int4_linear(qt: QuantizedTensor, bias: torch.Tensor | None, dtype: torch.dty
             f"INT4 group size {qt.group_size} (K={qt.q.shape[1]}) is not served on CUDA: the W4A16 kernel "
             "needs a multiple of 8 that divides K"
         )
-    if device.type == "cpu" and cpu_int4_mm_available() and qt.group_size in CPU_INT4_GROUP_SIZES:
-        packed, scales_and_zeros = pack_int4_cpu(qt.q, scales, zeros, qt.group_size)
-        tensors = {"qweight": packed, "scales_and_zeros": scales_and_zeros}
-    else:
+    tensors = cpu_int4_tensors(qt.q, scales, zeros, qt.group_size) if device.type == "cpu" else None
+    if tensors is None:
         tensors = {"qweight": pack_int4(qt.q), "scales": scales.to(dtype), "zeros": zeros.to(torch.uint8)}
     return Int4Linear({k: v.to(device) for k, v in tensors.items()}, qt.group_size, bias)
 

@@ -1802,6 +1802,13 @@ namespace {
 // groups per x row (2-4 chains, one sequential weight stream per thread) for few. Each
 // thread takes a contiguous range of groups, so its part of the weight is one stretch read
 // in order: at a decode step it is the weight stream that bounds the call.
+// The int4 kernel's block of one input group of gk for 32 outputs (int4_linear_impl):
+// scales and offsets, then a line of nibbles per input pair.
+constexpr int64_t kInt4Line = 32;     // bytes of one input pair's nibbles for a group of 32 outputs
+constexpr int64_t kInt4Header = 128;  // bytes of a block's scales and offsets (bf16 x 32 each)
+
+inline int64_t int4_block_bytes(int64_t gk) { return kInt4Header + gk / 2 * kInt4Line; }
+
 #if defined(__AVX512BF16__)
 constexpr bool kHaveBf16Gemv = true;
 constexpr int64_t kPrefetchL2Ahead = 4096;  // bf16 elements: 8 KB, past the next page boundary
@@ -1935,27 +1942,29 @@ constexpr int64_t kPassRows = 64;            // x rows per pass over a chunk of 
 constexpr int64_t kChunkBytes = 256 * 1024;  // weight bytes per chunk of groups (it stays in L2 for every pass)
 constexpr int64_t kPieceBytes = 128 * 1024;  // few rows: weight bytes per piece the threads claim (~10 us each)
 
-// y [M, N] = x [M, K] @ W^T + bias, W packed by pack_bf16_weight (see above). The threads
-// claim contiguous pieces of groups (parallel_ranges: a descheduled thread holds up one
-// piece, not half the weight). Few rows (a decode step): pieces of ~128 KB of weight (at
-// least 4 per thread), one pass, two groups at a time, the weight streamed once. More:
-// pieces of ~256 KB, and for each piece every pass of 64 x rows, so the piece is read from
-// memory once and served from L2 to the passes after the first (reading the weight once
-// per pass instead was 0.7-0.8x oneDNN at 256 rows on the MLP's and the head's shapes).
-template <typename T>
-void packed_linear_impl(const uint16_t* x, const T* packed, const uint16_t* bias, const uint16_t* scale, uint16_t* y,
-                        int64_t M, int64_t K, int64_t N) {
-  const int64_t groups = (N + kGroup - 1) / kGroup, group_stride = (K + 1) / 2 * kPairLine;
-  const int64_t group_bytes = group_stride * static_cast<int64_t>(sizeof(T));
+// The threads' schedule of a linear over packed groups of 32 outputs (bf16 and int8 pairs,
+// int4 nibbles): they claim contiguous pieces of groups (parallel_ranges: a descheduled
+// thread holds up one piece, not half the weight). Few rows (M <= 4: a decode step): pieces
+// of ~128 KB of weight (at least 4 per thread), one pass, two groups at a time where the
+// tile has registers for them (M <= pair_rows: `two(g)` computes groups g and g + 1), the
+// weight streamed once. More rows: pieces of ~256 KB, and for each piece every pass of 64 x
+// rows in tiles of up to `tile_rows` (`one(g, m, mb)`: rows [m, m + mb) of group g), so the
+// piece is read from memory once and served from L2 to the passes after the first (reading
+// the weight once per pass instead was 0.7-0.8x oneDNN at 256 rows on the MLP's and the
+// head's shapes). Which tile computes an output never changes its arithmetic.
+template <typename One, typename Two>
+void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t tile_rows, int64_t pair_rows,
+                            const One& one, const Two& two) {
+  const int64_t groups = (N + kGroup - 1) / kGroup;
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / group_bytes);
   auto run = [&](int64_t g_lo, int64_t g_hi) {
     if (M <= 4) {
       for (int64_t g = g_lo; g < g_hi; ++g) {
-        if (g + 1 < g_hi) {  // two groups at a time: twice the chains in flight
-          linear_rows_two_groups(M, x, packed + g * group_stride, bias, scale, y, K, N, g * kGroup);
+        if (M <= pair_rows && g + 1 < g_hi) {  // two groups at a time: twice the chains in flight
+          two(g);
           ++g;
         } else {
-          linear_rows(M, x, packed + g * group_stride, bias, scale, y, K, N, g * kGroup);
+          one(g, 0, M);
         }
       }
       return;
@@ -1965,9 +1974,7 @@ void packed_linear_impl(const uint16_t* x, const T* packed, const uint16_t* bias
       for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
         const int64_t m1 = std::min(M, m0 + kPassRows);
         for (int64_t g = c0; g < c1; ++g)
-          for (int64_t m = m0; m < m1; m += kTileRows)
-            linear_rows(std::min(kTileRows, m1 - m), x + m * K, packed + g * group_stride, bias, scale, y + m * N, K, N,
-                        g * kGroup);
+          for (int64_t m = m0; m < m1; m += tile_rows) one(g, m, std::min(tile_rows, m1 - m));
       }
     }
   };
@@ -1979,6 +1986,20 @@ void packed_linear_impl(const uint16_t* x, const T* packed, const uint16_t* bias
   const int64_t pairs = (groups + 1) / 2;
   const int64_t most = std::max<int64_t>(1, std::min(kPieceBytes / (2 * group_bytes), pairs / (4 * kernel_threads())));
   parallel_ranges(pairs, most, [&](int64_t lo, int64_t hi) { run(2 * lo, std::min(groups, 2 * hi)); });
+}
+
+// y [M, N] = x [M, K] @ W^T + bias, W packed by pack_bf16_weight (see above), on
+// schedule_packed_linear's pieces: tiles of up to 11 x rows x one group, or 1-4 rows x two.
+template <typename T>
+void packed_linear_impl(const uint16_t* x, const T* packed, const uint16_t* bias, const uint16_t* scale, uint16_t* y,
+                        int64_t M, int64_t K, int64_t N) {
+  const int64_t group_stride = (K + 1) / 2 * kPairLine;
+  schedule_packed_linear(
+      M, N, group_stride * static_cast<int64_t>(sizeof(T)), kTileRows, 4,
+      [&](int64_t g, int64_t m, int64_t mb) {
+        linear_rows(mb, x + m * K, packed + g * group_stride, bias, scale, y + m * N, K, N, g * kGroup);
+      },
+      [&](int64_t g) { linear_rows_two_groups(M, x, packed + g * group_stride, bias, scale, y, K, N, g * kGroup); });
 }
 
 void bf16_linear_impl(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
@@ -1996,6 +2017,150 @@ void bf16_linear_impl(const uint16_t* x, const uint16_t* packed, const uint16_t*
 void int8_linear_impl(const uint16_t* x, const int8_t* packed, const uint16_t* scale, uint16_t* y, int64_t M, int64_t K,
                       int64_t N) {
   packed_linear_impl(x, packed, nullptr, scale, y, M, K, N);
+}
+
+// The int4 weight-only (W4A16) linear, per group of `gk` inputs (K a multiple of gk, gk a
+// multiple of 16): w = (q - 8) * scale + offset for q in [0, 15] with a bf16 scale and offset
+// per (input group, output), torch's CPU int4 semantics (kernels/quant_linear.py
+// `pack_int4_cpu`: offset = scale * (8 - zero)). So an output is
+//     y = sum over input groups of  scale * dot(x_group, q - 8)  +  offset * sum(x_group),
+// and that is what this kernel computes, in float32, in this order, for every row count:
+// per input group one chain of vdpbf16ps over its pairs (q - 8 is exact in bf16), then
+// y = fma(chain, scale, y), y = fma(sum(x_group), offset, y); rounded to bf16 once. The
+// group sums of x are computed once per call per row (int4_group_sums), so a row's result
+// depends on its own inputs only (batch-invariant). No dequantized copy of the weight
+// exists: a decode step streams ~0.56 bytes per weight (at 128 inputs a group), a quarter
+// of bf16's.
+//
+// Layout (pack_int4_weight): groups of 32 outputs as pack_bf16_weight's, and within a group
+// one block per input group: the 32 scales (bf16), the 32 offsets (bf16), then gk / 2 lines
+// of 32 bytes, one per input pair kp, holding the pair's 64 nibbles. A line is loaded into
+// both 256-bit halves of a register; 16-bit word j of the line holds output 8t + j / 2's
+// input 2kp + j % 2 in its nibble t (t = 0..3), so shifting the register's words right by
+// (0 | 4) and (8 | 12) (low | high half) puts each output's nibble in the low bits of the
+// word vdpbf16ps reads for it (outputs 0-15, then 16-31), and vpermw maps those bits to
+// bf16(q - 8) through a 32-entry table (it reads 5 bits: the entry repeats per 16).
+struct Int4Decoder {
+  __m512i table, shift_lo, shift_hi;
+  Int4Decoder() {
+    alignas(64) uint16_t t[32];
+    alignas(64) uint16_t lo[32];
+    alignas(64) uint16_t hi[32];
+    for (int i = 0; i < 32; ++i) {
+      const float v = static_cast<float>((i & 15) - 8);
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof(bits));
+      t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers need few mantissa bits
+      lo[i] = i < 16 ? 0 : 4;
+      hi[i] = i < 16 ? 8 : 12;
+    }
+    table = _mm512_load_si512(t);
+    shift_lo = _mm512_load_si512(lo);
+    shift_hi = _mm512_load_si512(hi);
+  }
+  // One line's 64 weights as bf16(q - 8): outputs 0-15 in a, 16-31 in b (pair layout).
+  inline void line(const uint8_t* p, __m512bh& a, __m512bh& b) const {
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    a = (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(v, shift_lo), table);
+    b = (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(v, shift_hi), table);
+  }
+};
+
+// x rows [0, MR) (row stride K; xs: their group sums, row stride K / gk) against G adjacent
+// groups of 32 outputs starting at `pg` (group stride `gs` bytes), outputs from n0.
+template <int MR, int G>
+inline void int4_tile(const uint16_t* __restrict x, const float* __restrict xs, const uint8_t* __restrict pg, int64_t gs,
+                      uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0, int64_t gk) {
+  const Int4Decoder dec;
+  const int64_t groups_k = K / gk, block = int4_block_bytes(gk), pairs = gk / 2;
+  __m512 total[MR][2 * G];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 2 * G; ++j) total[m][j] = _mm512_setzero_ps();
+  for (int64_t kg = 0; kg < groups_k; ++kg) {
+    const uint8_t* blk[G];
+    for (int g = 0; g < G; ++g) {
+      blk[g] = pg + g * gs + kg * block;
+      if (MR <= 4)  // a weight stream: keep lines in flight past what the prefetcher does alone
+        for (int64_t b = 0; b < block; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk[g] + 2 * kPrefetchL2Ahead + b), _MM_HINT_T1);
+    }
+    __m512 acc[MR][2 * G];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_setzero_ps();
+    const uint16_t* xk = x + kg * gk;
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      __m512bh w[2 * G];
+      for (int g = 0; g < G; ++g) dec.line(blk[g] + kInt4Header + kp * kInt4Line, w[2 * g], w[2 * g + 1]);
+      for (int m = 0; m < MR; ++m) {
+        uint32_t v;
+        std::memcpy(&v, xk + m * K + 2 * kp, sizeof(v));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
+        for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, w[j]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 s_lo, s_hi, o_lo, o_hi;
+      const uint16_t* head = reinterpret_cast<const uint16_t*>(blk[g]);
+      load_bf16x32(head, ~__mmask32{0}, s_lo, s_hi);
+      load_bf16x32(head + kGroup, ~__mmask32{0}, o_lo, o_hi);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 sum = _mm512_set1_ps(xs[m * groups_k + kg]);
+        total[m][2 * g] = _mm512_fmadd_ps(sum, o_lo, _mm512_fmadd_ps(acc[m][2 * g], s_lo, total[m][2 * g]));
+        total[m][2 * g + 1] = _mm512_fmadd_ps(sum, o_hi, _mm512_fmadd_ps(acc[m][2 * g + 1], s_hi, total[m][2 * g + 1]));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < G; ++g)
+      store_group(total[m][2 * g], total[m][2 * g + 1], nullptr, nullptr, y + m * N, n0 + g * kGroup, N);
+}
+
+// x rows [0, mb) (mb in 1..6) against one group of 32 outputs.
+inline void int4_rows(int64_t mb, const uint16_t* x, const float* xs, const uint8_t* pg, int64_t gs, uint16_t* y,
+                      int64_t K, int64_t N, int64_t n0, int64_t gk) {
+  switch (mb) {
+    case 1: int4_tile<1, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
+    case 2: int4_tile<2, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
+    case 3: int4_tile<3, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
+    case 4: int4_tile<4, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
+    case 5: int4_tile<5, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
+    default: int4_tile<6, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
+  }
+}
+
+// Each x row's sums over its input groups of gk, in float32 in one fixed order (16 lanes,
+// then their reduction): xs [M, K / gk].
+void int4_group_sums(const uint16_t* x, float* xs, int64_t M, int64_t K, int64_t gk) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kg = 0; kg < K / gk; ++kg) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = kg * gk; k < (kg + 1) * gk; k += 16)
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K + k))), 16)));
+      xs[m * (K / gk) + kg] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+// y [M, N] = x [M, K] @ W^T, W int4 packed by pack_int4_weight with input groups of gk (see
+// above), on schedule_packed_linear's pieces: tiles of up to 6 x rows x one group, or 1-2
+// rows x two (the registers: a chain and a total per 16 outputs and row).
+void int4_linear_impl(const uint16_t* x, const uint8_t* packed, uint16_t* y, int64_t M, int64_t K, int64_t N,
+                      int64_t gk) {
+  std::vector<float> sums(static_cast<size_t>(M * (K / gk)));
+  int4_group_sums(x, sums.data(), M, K, gk);
+  const float* xs = sums.data();
+  const int64_t gs = K / gk * int4_block_bytes(gk);
+  schedule_packed_linear(
+      M, N, gs, 6, 2,
+      [&](int64_t g, int64_t m, int64_t mb) {
+        int4_rows(mb, x + m * K, xs + m * (K / gk), packed + g * gs, gs, y + m * N, K, N, g * kGroup, gk);
+      },
+      [&](int64_t g) {
+        if (M == 1)
+          int4_tile<1, 2>(x, xs, packed + g * gs, gs, y, K, N, g * kGroup, gk);
+        else
+          int4_tile<2, 2>(x, xs, packed + g * gs, gs, y, K, N, g * kGroup, gk);
+      });
 }
 
 #else
@@ -2021,9 +2186,9 @@ constexpr uint8_t kPackedMarker = 0xB1;
 
 int64_t packed_elems(int64_t N, int64_t K) { return (N + 31) / 32 * ((K + 1) / 2) * 64; }
 
-bool is_packed(const torch::Tensor& w, at::ScalarType dtype) {
+// Whether w's storage is `bytes` of packed weight and the marker.
+bool has_packed_storage(const torch::Tensor& w, at::ScalarType dtype, int64_t bytes) {
   if (w.dim() != 2 || w.scalar_type() != dtype || !w.is_contiguous() || w.storage_offset() != 0) return false;
-  const int64_t bytes = packed_elems(w.size(0), w.size(1)) * static_cast<int64_t>(w.element_size());
   if (static_cast<int64_t>(w.storage().nbytes()) != bytes + kPackedMarkerBytes) return false;
   const uint8_t* tail = reinterpret_cast<const uint8_t*>(w.storage().data()) + bytes;
   for (int64_t i = 0; i < kPackedMarkerBytes; ++i)
@@ -2031,8 +2196,22 @@ bool is_packed(const torch::Tensor& w, at::ScalarType dtype) {
   return true;
 }
 
+bool is_packed(const torch::Tensor& w, at::ScalarType dtype) {
+  return w.dim() == 2 &&
+         has_packed_storage(w, dtype, packed_elems(w.size(0), w.size(1)) * static_cast<int64_t>(w.element_size()));
+}
+
 bool is_packed_bf16(const torch::Tensor& w) { return is_packed(w, at::kBFloat16); }
 bool is_packed_int8(const torch::Tensor& w) { return is_packed(w, at::kChar); }
+
+// pack_int4_weight's tensor: a [N, K / 2] uint8 view over the blocks (see int4_linear_impl)
+// of groups of gk inputs, then the marker.
+int64_t packed_int4_bytes(int64_t N, int64_t K, int64_t gk) { return (N + 31) / 32 * (K / gk) * int4_block_bytes(gk); }
+
+bool is_packed_int4(const torch::Tensor& w, int64_t gk) {
+  return w.dim() == 2 && gk > 0 && gk % 16 == 0 && (2 * w.size(1)) % gk == 0 &&
+         has_packed_storage(w, at::kByte, packed_int4_bytes(w.size(0), 2 * w.size(1), gk));
+}
 
 // The pair layout of a dense [N, K] weight of element T (see bf16_linear_impl).
 template <typename T>
@@ -2074,6 +2253,50 @@ torch::Tensor pack_int8_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.device().is_cpu(),
               "pack_int8_weight: a 2-D int8 CPU weight expected");
   return pack_pairs<int8_t>(weight);
+}
+
+// The int4 kernel's copy of a W4A16 weight (int4_linear_impl): q [N, K] uint8 in [0, 15],
+// scale_offset [K / gk, N, 2] bf16 (scale, offset) per input group of gk and output, as
+// torch's CPU int4 layout holds them (w = (q - 8) * scale + offset). Read by int4_gemv and
+// bf16_decode_layers only.
+torch::Tensor pack_int4_weight(const torch::Tensor& q, const torch::Tensor& scale_offset, int64_t gk) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.device().is_cpu(),
+              "pack_int4_weight: a 2-D uint8 CPU weight of int4 values expected");
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(gk > 0 && gk % 16 == 0 && K % gk == 0, "pack_int4_weight: the group size must be a multiple of 16 ",
+              "that divides K (", K, "), got ", gk);
+  TORCH_CHECK(scale_offset.scalar_type() == at::kBFloat16 && scale_offset.dim() == 3 && scale_offset.size(0) == K / gk &&
+                  scale_offset.size(1) == N && scale_offset.size(2) == 2,
+              "pack_int4_weight: bfloat16 scale_offset [K / group size, N, 2] expected");
+  TORCH_CHECK(N == 0 || K == 0 || q.max().item<uint8_t>() <= 15, "pack_int4_weight: int4 values in [0, 15] expected");
+  const torch::Tensor qc = q.contiguous(), so = scale_offset.contiguous();
+  const uint8_t* src = qc.data_ptr<uint8_t>();
+  const uint16_t* sop = reinterpret_cast<const uint16_t*>(so.data_ptr());
+  const int64_t groups_k = K / gk, block = int4_block_bytes(gk), bytes = packed_int4_bytes(N, K, gk);
+  torch::Tensor storage = torch::zeros({bytes + kPackedMarkerBytes}, qc.options());
+  uint8_t* dst = storage.data_ptr<uint8_t>();
+  at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t kg = 0; kg < groups_k; ++kg) {
+        uint8_t* blk = dst + (g * groups_k + kg) * block;
+        uint16_t* head = reinterpret_cast<uint16_t*>(blk);  // scales then offsets; 0 past N
+        for (int64_t l = 0; l < 32 && 32 * g + l < N; ++l) {
+          head[l] = sop[(kg * N + 32 * g + l) * 2];
+          head[32 + l] = sop[(kg * N + 32 * g + l) * 2 + 1];
+        }
+        for (int64_t kp = 0; kp < gk / 2; ++kp)
+          for (int64_t j = 0; j < 16; ++j) {
+            uint16_t word = 0;
+            for (int64_t t = 0; t < 4; ++t) {
+              const int64_t n = 32 * g + 8 * t + j / 2, k = kg * gk + 2 * kp + j % 2;
+              word |= static_cast<uint16_t>((n < N ? src[n * K + k] : 8) << (4 * t));  // past N: q - 8 = 0
+            }
+            std::memcpy(blk + kInt4Header + kp * kInt4Line + 2 * j, &word, sizeof(word));
+          }
+      }
+  });
+  std::memset(dst + bytes, kPackedMarker, kPackedMarkerBytes);
+  return storage.as_strided({N, K / 2}, {K / 2, 1});
 }
 
 // out [M, N] = x [M, K] @ weight^T + bias [N]: x, bias, out bfloat16 and contiguous, weight
@@ -2120,6 +2343,25 @@ void int8_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Te
   int8_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight.data_ptr<int8_t>(),
                    reinterpret_cast<const uint16_t*>(scales.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), M,
                    K, N);
+#endif
+}
+
+// out [M, N] = x [M, K] @ W^T: x, out bfloat16 and contiguous, W int4 packed by
+// pack_int4_weight with input groups of group_size (see int4_linear_impl).
+void int4_gemv(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight, int64_t group_size) {
+  TORCH_CHECK(kHaveBf16Gemv, "int4_gemv: this build has no AVX512-BF16 (the CPU lacks it)");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "int4_gemv: 2-D x and out expected");
+  TORCH_CHECK(is_packed_int4(weight, group_size), "int4_gemv: an int4 weight packed by pack_int4_weight with groups of ",
+              group_size, " expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "int4_gemv: bfloat16 x and out expected");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "int4_gemv: contiguous tensors expected");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(2 * weight.size(1) == K && out.size(0) == M && out.size(1) == N, "int4_gemv: shape mismatch");
+#if defined(__AVX512BF16__)
+  if (M == 0 || N == 0) return;
+  int4_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight.data_ptr<uint8_t>(),
+                   reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, group_size);
 #endif
 }
 
@@ -2349,11 +2591,11 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 namespace {
 
 // One linear of a fused decode layer (bf16_decode_layers): its weight and how to apply it.
-// kind 0: a bf16 weight [N, K] packed by pack_bf16_weight, through bf16_linear_impl; kind > 0: torch's CPU int4
-// layout (packed uint8 [N, K / 2], scales_and_zeros [K / G, N, 2]) through
-// aten::_weight_int4pack_mm_for_cpu with group size `kind`; kind -1: int8 [N, K] packed by
-// pack_int8_weight with bf16 per-row scales through int8_linear_impl (as the per-op
-// Int8Linear runs it). Bias: an empty tensor for none.
+// kind 0: a bf16 weight [N, K] packed by pack_bf16_weight, through bf16_linear_impl; kind > 0:
+// int4 packed by pack_int4_weight with input groups of `kind`, through int4_linear_impl;
+// kind -1: int8 [N, K] packed by pack_int8_weight with bf16 per-row scales through
+// int8_linear_impl. Each as the per-op Int4Linear / Int8Linear runs it. Bias: an empty
+// tensor for none.
 struct DecodeLinear {
   const torch::Tensor* weight;
   const torch::Tensor* bias;
@@ -2367,7 +2609,9 @@ struct DecodeLinear {
     TORCH_CHECK(weight->dim() == 2 && weight->is_contiguous() && in_features() == K,
                 "bf16_decode_layers: ", what, ": a contiguous 2-D weight with ", K, " inputs expected");
     if (kind == 0) TORCH_CHECK(is_packed_bf16(*weight), "bf16_decode_layers: ", what, ": a bf16 weight packed by pack_bf16_weight expected");
-    if (kind > 0) TORCH_CHECK(weight->scalar_type() == at::kByte, "bf16_decode_layers: ", what, ": packed int4 expected");
+    if (kind > 0)
+      TORCH_CHECK(is_packed_int4(*weight, kind), "bf16_decode_layers: ", what,
+                  ": an int4 weight packed by pack_int4_weight with groups of ", kind, " expected");
     if (kind < 0) {
       TORCH_CHECK(is_packed_int8(*weight) && scales->scalar_type() == at::kBFloat16 &&
                       scales->numel() == out_features(),
@@ -2391,17 +2635,17 @@ struct DecodeLinear {
 #endif
       return out;
     }
-    torch::Tensor out;
-    if (kind > 0) {
-      out = at::_weight_int4pack_mm_for_cpu(x, *weight, kind, *scales);
-    } else {  // the int8 GEMV, as kernels/quant_linear.py runs few-row calls
-      out = torch::empty({x.size(0), out_features()}, x.options());
+    torch::Tensor out = torch::empty({x.size(0), out_features()}, x.options());
 #if defined(__AVX512BF16__)
+    if (kind > 0) {
+      int4_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight->data_ptr<uint8_t>(),
+                       reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), out_features(), kind);
+    } else {
       int8_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight->data_ptr<int8_t>(),
-                     reinterpret_cast<const uint16_t*>(scales->data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
-                     x.size(0), x.size(1), out_features());
-#endif
+                       reinterpret_cast<const uint16_t*>(scales->data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                       x.size(0), x.size(1), out_features());
     }
+#endif
     return bias->numel() ? out + *bias : out;
   }
 };
@@ -2675,6 +2919,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int8_weight", &pack_int8_weight, release());
   m.def("bf16_gemv", &bf16_gemv, release());
   m.def("int8_gemv", &int8_gemv, release());
+  m.def("pack_int4_weight", &pack_int4_weight, release());
+  m.def("int4_gemv", &int4_gemv, release());
   m.def("bf16_silu_mlp", &bf16_silu_mlp, release());
   m.def("bf16_decode_layers", &bf16_decode_layers, release());
   m.def("lora_add", &lora_add, release());

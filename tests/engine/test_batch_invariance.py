@@ -119,12 +119,13 @@ def test_alone_vs_in_a_batch(model, others):
     assert result(outs[-1]) == model.reference("seeded")
 
 
-def test_int8_weights_alone_vs_in_a_batch_and_from_the_cache(model):
-    """W8A16 weights (`--quantization int8`: the C++ int8 kernel at every row count): the
-    greedy target alone, beside 9 others and from the prefix cache gives the same tokens and
-    logprobs."""
-    only_tiny(model, "INT8 weights")
-    llm = model.engine(quantization="int8", enable_prefix_caching=True)
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_alone_vs_in_a_batch_and_from_the_cache(model, quantization):
+    """W8A16 and W4A16 weights (`--quantization int8|int4`: the C++ int8 / int4 kernel at every
+    row count): the greedy target alone, beside 9 others and from the prefix cache gives the
+    same tokens and logprobs."""
+    only_tiny(model, f"{quantization} weights")
+    llm = model.engine(quantization=quantization, enable_prefix_caching=True)
     alone = result(llm.generate([model.target], GREEDY)[0])
     together = llm.generate([model.target] + model.others(9, seed=9), [GREEDY] + varied(9))
     assert result(together[0]) == alone

@@ -73,9 +73,10 @@ def test_fallbacks_name_quantized_linears_on_a_reference(tmp_path, monkeypatch):
     path = make_model_folder(tmp_path, "llama")
     cpu = torch.device("cpu")
     model = load_model(path, torch.float32, cpu, 64, quantization="int4")
-    assert quantized_linear_fallbacks(model, cpu) == []  # torch's int4 / int8 CPU kernels here
+    assert quantized_linear_fallbacks(model, cpu) == []  # a CPU int4 kernel and the int8 one here
     assert quantized_linear_fallbacks(model, torch.device("cuda")) == []  # the Triton kernels
-    monkeypatch.setattr(linears, "cpu_int4_mm_available", lambda: False)
+    monkeypatch.setattr(linears, "gemv_enabled", lambda: False)  # neither Pagoda's int4 kernel
+    monkeypatch.setattr(linears, "cpu_int4_mm_available", lambda: False)  # nor torch's
     model = load_model(path, torch.float32, cpu, 64, quantization="int4")
     (line,) = quantized_linear_fallbacks(model, cpu)
     assert line.startswith("8 INT4 linear(s) dequantize their weight every call")

@@ -101,12 +101,13 @@ def test_float_types_and_k_quants_dequantize_to_float32():
         to_float(w.astype(np.float64), T.F64, (N, K), "t")
 
 
-def test_q4_1_without_the_cpu_int4_kernel_serves_float_zero_points(monkeypatch):
-    """Where torch's CPU int4 kernel is not used (CUDA, or a torch without it), Q4_1 goes to the
-    AutoGPTQ-layout kernels with its float32 zero points, not rounded ones."""
+def test_q4_1_without_the_cpu_int4_kernels_serves_float_zero_points(monkeypatch):
+    """Where neither CPU int4 kernel is used (CUDA, or a CPU without AVX512-BF16 and a torch
+    without its int4 kernel), Q4_1 goes to the AutoGPTQ-layout kernels with its float32 zero
+    points, not rounded ones."""
     import engine.gguf.loader as gguf_loader
 
-    monkeypatch.setattr(gguf_loader, "cpu_int4_mm_available", lambda: False)
+    monkeypatch.setattr(gguf_loader, "cpu_int4_tensors", lambda *args: None)
     data = quants.quantize(weight(), T.Q4_1)
     linear = _runtime_module(served_linear(QuantizedLinear(decode(data, T.Q4_1, N))), torch.float32, torch.device("cpu"))
     assert isinstance(linear, Int4Linear) and not linear.cpu_packed and linear.zeros.dtype == torch.float32
