@@ -1804,10 +1804,10 @@ namespace {
 // in order: at a decode step it is the weight stream that bounds the call.
 // The int4 kernel's block of one input group of gk for 32 outputs (int4_linear_impl):
 // scales and offsets, then a line of nibbles per input pair.
-constexpr int64_t kInt4Line = 32;     // bytes of one input pair's nibbles for a group of 32 outputs
+constexpr int64_t kInt4Line = 64;     // bytes of two input pairs' nibbles for a group of 32 outputs
 constexpr int64_t kInt4Header = 128;  // bytes of a block's scales and offsets (bf16 x 32 each)
 
-inline int64_t int4_block_bytes(int64_t gk) { return kInt4Header + gk / 2 * kInt4Line; }
+inline int64_t int4_block_bytes(int64_t gk) { return kInt4Header + gk / 4 * kInt4Line; }
 
 #if defined(__AVX512BF16__)
 constexpr bool kHaveBf16Gemv = true;
@@ -2022,57 +2022,50 @@ void int8_linear_impl(const uint16_t* x, const int8_t* packed, const uint16_t* s
 // The int4 weight-only (W4A16) linear, per group of `gk` inputs (K a multiple of gk, gk a
 // multiple of 16): w = (q - 8) * scale + offset for q in [0, 15] with a bf16 scale and offset
 // per (input group, output), torch's CPU int4 semantics (kernels/quant_linear.py
-// `pack_int4_cpu`: offset = scale * (8 - zero)). So an output is
-//     y = sum over input groups of  scale * dot(x_group, q - 8)  +  offset * sum(x_group),
-// and that is what this kernel computes, in float32, in this order, for every row count:
-// per input group one chain of vdpbf16ps over its pairs (q - 8 is exact in bf16), then
-// y = fma(chain, scale, y), y = fma(sum(x_group), offset, y); rounded to bf16 once. The
-// group sums of x are computed once per call per row (int4_group_sums), so a row's result
-// depends on its own inputs only (batch-invariant). No dequantized copy of the weight
-// exists: a decode step streams ~0.56 bytes per weight (at 128 inputs a group), a quarter
-// of bf16's.
+// `int4_scale_offset`: offset = scale * (8 - zero)). Each nibble is read as the bf16
+// 1 + q / 16 (exponent 0, q in the mantissa's top bits: exact, and one bit operation from
+// the packed bits), so per input group a chain of vdpbf16ps gives c = sum(x) + dot(x, q) / 16,
+// and the output is
+//     y = sum over input groups of  (16 scale) * c  +  (offset - 24 scale) * sum(x)
+//       = sum over input groups of  scale * dot(x, q - 8) + offset * sum(x),
+// computed in float32 in this order for every row count: per group y = fma(c, 16 scale, y),
+// then y = fma(sum(x), fma(scale, -24, offset), y); rounded to bf16 once. The group sums of
+// x are computed once per call per row (int4_group_sums), so a row's result depends on its
+// own inputs only (batch-invariant). No dequantized copy of the weight exists: a decode step
+// streams ~0.56 bytes per weight (at 128 inputs a group), a quarter of bf16's.
 //
 // Layout (pack_int4_weight): groups of 32 outputs as pack_bf16_weight's, and within a group
-// one block per input group: the 32 scales (bf16), the 32 offsets (bf16), then gk / 2 lines
-// of 32 bytes, one per input pair kp, holding the pair's 64 nibbles. A line is loaded into
-// both 256-bit halves of a register; 16-bit word j of the line holds output 8t + j / 2's
-// input 2kp + j % 2 in its nibble t (t = 0..3), so shifting the register's words right by
-// (0 | 4) and (8 | 12) (low | high half) puts each output's nibble in the low bits of the
-// word vdpbf16ps reads for it (outputs 0-15, then 16-31), and vpermw maps those bits to
-// bf16(q - 8) through a 32-entry table (it reads 5 bits: the entry repeats per 16).
-struct Int4Decoder {
-  __m512i table, shift_lo, shift_hi;
-  Int4Decoder() {
-    alignas(64) uint16_t t[32];
-    alignas(64) uint16_t lo[32];
-    alignas(64) uint16_t hi[32];
-    for (int i = 0; i < 32; ++i) {
-      const float v = static_cast<float>((i & 15) - 8);
-      uint32_t bits;
-      std::memcpy(&bits, &v, sizeof(bits));
-      t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers need few mantissa bits
-      lo[i] = i < 16 ? 0 : 4;
-      hi[i] = i < 16 ? 8 : 12;
-    }
-    table = _mm512_load_si512(t);
-    shift_lo = _mm512_load_si512(lo);
-    shift_hi = _mm512_load_si512(hi);
-  }
-  // One line's 64 weights as bf16(q - 8): outputs 0-15 in a, 16-31 in b (pair layout).
-  inline void line(const uint8_t* p, __m512bh& a, __m512bh& b) const {
-    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    a = (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(v, shift_lo), table);
-    b = (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(v, shift_hi), table);
-  }
-};
+// one block per input group: the 32 scales (bf16), the 32 offsets (bf16), then gk / 4 lines
+// of 64 bytes, each two input pairs' nibbles: 16 lanes of 32 bits, lane i holding four
+// (even, odd) input pairs, vector t = 0..3 being (pair 0, outputs 0-15), (pair 0, outputs
+// 16-31), (pair 1, outputs 0-15), (pair 1, outputs 16-31). Pair t's even nibble sits at lane
+// bits [3 + 4t, 7 + 4t), its odd nibble at bits [19 + 4t, 23 + 4t) (mod 32: t = 3's wraps to
+// bits 31, 0-2), so rotating the lane right by 4t puts them at [3, 7) and [19, 23), the top
+// mantissa bits of the lane's two bf16 halves, and one vpternlogd keeps those bits and sets
+// the exponent: (lane & 0x00780078) | 0x3F803F80. A line costs a load, three rotates and four
+// ternary-logic ops for its four vdpbf16ps (a vpermw lookup per vector was ~2x slower here).
+constexpr int64_t kInt4LanesMask = 0x00780078;  // the top 4 mantissa bits of both bf16 halves
+constexpr int64_t kInt4One = 0x3F803F80;        // bf16 1.0 in both halves
+
+// Vector t of a line (see above) as bf16 (1 + q / 16), pairs in vdpbf16ps's order.
+template <int T>
+inline __m512bh int4_vector(__m512i line) {
+  const __m512i rotated = T == 0 ? line : _mm512_ror_epi32(line, 4 * T);
+  return (__m512bh)_mm512_ternarylogic_epi32(rotated, _mm512_set1_epi32(kInt4LanesMask), _mm512_set1_epi32(kInt4One),
+                                             0xEA);  // (a & b) | c
+}
 
 // x rows [0, MR) (row stride K; xs: their group sums, row stride K / gk) against G adjacent
 // groups of 32 outputs starting at `pg` (group stride `gs` bytes), outputs from n0.
 template <int MR, int G>
 inline void int4_tile(const uint16_t* __restrict x, const float* __restrict xs, const uint8_t* __restrict pg, int64_t gs,
                       uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0, int64_t gk) {
-  const Int4Decoder dec;
-  const int64_t groups_k = K / gk, block = int4_block_bytes(gk), pairs = gk / 2;
+  const int64_t groups_k = K / gk, block = int4_block_bytes(gk), lines = gk / 4;
+  // A weight stream (few rows): one prefetch per line read, `ahead` bytes on: the same line
+  // of the groups this tile's next call reads (G groups on) where those are near (a short K:
+  // each group's stretch is a few KB, and a fixed distance would land in the other stream's
+  // lines), else 8 KB on in the same stream.
+  const int64_t ahead = G * gs <= 4 * kPrefetchL2Ahead ? G * gs : 2 * kPrefetchL2Ahead;
   __m512 total[MR][2 * G];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 2 * G; ++j) total[m][j] = _mm512_setzero_ps();
@@ -2080,33 +2073,52 @@ inline void int4_tile(const uint16_t* __restrict x, const float* __restrict xs, 
     const uint8_t* blk[G];
     for (int g = 0; g < G; ++g) {
       blk[g] = pg + g * gs + kg * block;
-      if (MR <= 4)  // a weight stream: keep lines in flight past what the prefetcher does alone
-        for (int64_t b = 0; b < block; b += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(blk[g] + 2 * kPrefetchL2Ahead + b), _MM_HINT_T1);
+      if (MR <= 4) {  // the block's scales and offsets
+        _mm_prefetch(reinterpret_cast<const char*>(blk[g] + ahead), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(blk[g] + ahead + 64), _MM_HINT_T1);
+      }
     }
     __m512 acc[MR][2 * G];
     for (int m = 0; m < MR; ++m)
       for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_setzero_ps();
     const uint16_t* xk = x + kg * gk;
-    for (int64_t kp = 0; kp < pairs; ++kp) {
-      __m512bh w[2 * G];
-      for (int g = 0; g < G; ++g) dec.line(blk[g] + kInt4Header + kp * kInt4Line, w[2 * g], w[2 * g + 1]);
+    for (int64_t l = 0; l < lines; ++l) {
+      __m512bh w[4 * G];
+      for (int g = 0; g < G; ++g) {
+        const uint8_t* at = blk[g] + kInt4Header + l * kInt4Line;
+        if (MR <= 4) _mm_prefetch(reinterpret_cast<const char*>(at + ahead), _MM_HINT_T1);
+        const __m512i line = _mm512_loadu_si512(at);
+        w[4 * g] = int4_vector<0>(line);
+        w[4 * g + 1] = int4_vector<1>(line);
+        w[4 * g + 2] = int4_vector<2>(line);
+        w[4 * g + 3] = int4_vector<3>(line);
+      }
       for (int m = 0; m < MR; ++m) {
-        uint32_t v;
-        std::memcpy(&v, xk + m * K + 2 * kp, sizeof(v));
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
-        for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, w[j]);
+        uint32_t v0, v1;
+        std::memcpy(&v0, xk + m * K + 4 * l, sizeof(v0));
+        std::memcpy(&v1, xk + m * K + 4 * l + 2, sizeof(v1));
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(v0));
+        const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(v1));
+        for (int g = 0; g < G; ++g) {
+          acc[m][2 * g] = _mm512_dpbf16_ps(acc[m][2 * g], x0, w[4 * g]);
+          acc[m][2 * g + 1] = _mm512_dpbf16_ps(acc[m][2 * g + 1], x0, w[4 * g + 1]);
+          acc[m][2 * g] = _mm512_dpbf16_ps(acc[m][2 * g], x1, w[4 * g + 2]);
+          acc[m][2 * g + 1] = _mm512_dpbf16_ps(acc[m][2 * g + 1], x1, w[4 * g + 3]);
+        }
       }
     }
+    const __m512 sixteen = _mm512_set1_ps(16.f), minus_24 = _mm512_set1_ps(-24.f);
     for (int g = 0; g < G; ++g) {
       __m512 s_lo, s_hi, o_lo, o_hi;
       const uint16_t* head = reinterpret_cast<const uint16_t*>(blk[g]);
       load_bf16x32(head, ~__mmask32{0}, s_lo, s_hi);
       load_bf16x32(head + kGroup, ~__mmask32{0}, o_lo, o_hi);
+      const __m512 a_lo = _mm512_mul_ps(s_lo, sixteen), a_hi = _mm512_mul_ps(s_hi, sixteen);  // exact
+      const __m512 c_lo = _mm512_fmadd_ps(s_lo, minus_24, o_lo), c_hi = _mm512_fmadd_ps(s_hi, minus_24, o_hi);
       for (int m = 0; m < MR; ++m) {
         const __m512 sum = _mm512_set1_ps(xs[m * groups_k + kg]);
-        total[m][2 * g] = _mm512_fmadd_ps(sum, o_lo, _mm512_fmadd_ps(acc[m][2 * g], s_lo, total[m][2 * g]));
-        total[m][2 * g + 1] = _mm512_fmadd_ps(sum, o_hi, _mm512_fmadd_ps(acc[m][2 * g + 1], s_hi, total[m][2 * g + 1]));
+        total[m][2 * g] = _mm512_fmadd_ps(sum, c_lo, _mm512_fmadd_ps(acc[m][2 * g], a_lo, total[m][2 * g]));
+        total[m][2 * g + 1] = _mm512_fmadd_ps(sum, c_hi, _mm512_fmadd_ps(acc[m][2 * g + 1], a_hi, total[m][2 * g + 1]));
       }
     }
   }
@@ -2284,14 +2296,16 @@ torch::Tensor pack_int4_weight(const torch::Tensor& q, const torch::Tensor& scal
           head[l] = sop[(kg * N + 32 * g + l) * 2];
           head[32 + l] = sop[(kg * N + 32 * g + l) * 2 + 1];
         }
-        for (int64_t kp = 0; kp < gk / 2; ++kp)
-          for (int64_t j = 0; j < 16; ++j) {
-            uint16_t word = 0;
+        for (int64_t l = 0; l < gk / 4; ++l)
+          for (int64_t i = 0; i < 16; ++i) {  // lane i of the line (see int4_linear_impl)
+            uint32_t lane = 0;
             for (int64_t t = 0; t < 4; ++t) {
-              const int64_t n = 32 * g + 8 * t + j / 2, k = kg * gk + 2 * kp + j % 2;
-              word |= static_cast<uint16_t>((n < N ? src[n * K + k] : 8) << (4 * t));  // past N: q - 8 = 0
+              const int64_t n = 32 * g + 16 * (t % 2) + i, k = kg * gk + 4 * l + 2 * (t / 2);
+              const uint32_t even = n < N ? src[n * K + k] : 8, odd = n < N ? src[n * K + k + 1] : 8;  // past N: 8
+              const int odd_at = (19 + 4 * t) % 32;
+              lane |= even << (3 + 4 * t) | odd << odd_at | (odd_at > 28 ? odd >> (32 - odd_at) : 0u);
             }
-            std::memcpy(blk + kInt4Header + kp * kInt4Line + 2 * j, &word, sizeof(word));
+            std::memcpy(blk + kInt4Header + l * kInt4Line + 4 * i, &lane, sizeof(lane));
           }
       }
   });
