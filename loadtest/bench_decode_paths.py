@@ -18,6 +18,9 @@ The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
   layout (`_weight_int4pack_mm_for_cpu`, on OpenMP's team: what served INT4 before Pagoda's
   int4 kernel), run per op (the fused call takes Pagoda's kernels only).
 
+The process runs under `OMP_WAIT_POLICY=passive`, as `pagoda` does, unless the variable is
+set (`OMP_WAIT_POLICY=active` gives torch's int4 kernel its spinning team).
+
 This VM's memory bandwidth drifts by up to 2x over minutes, so the paths take turns, round
 after round, and the read bandwidth (`bench_offline.measure_read_bandwidth_gbs`) is measured
 at the start of each round. A path's decode step = (T(65 tokens) - T(1 token)) / 64 of one
@@ -28,14 +31,19 @@ with the median bound: bytes of weights a step reads (`decode_weight_bytes`) / b
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 
-import torch
+# As `pagoda` runs (server/cli.py `prefer_passive_openmp`), unless set by hand: torch's idle
+# OpenMP threads sleep instead of spinning on the work pool's cores. Before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
-from loadtest.bench_engine_gpu import decode_weight_bytes
-from loadtest.bench_offline import measure_read_bandwidth_gbs
+import torch  # noqa: E402
+
+from loadtest.bench_engine_gpu import decode_weight_bytes  # noqa: E402
+from loadtest.bench_offline import measure_read_bandwidth_gbs  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -118,7 +126,8 @@ def main() -> None:
     bandwidth = statistics.median(bandwidths)
     bound = weight_bytes / (bandwidth * 1e9)
     what = args.quantization or args.dtype
-    print(f"\nBatch-1 decode step, {what}, {torch.get_num_threads()} threads, {args.rounds} alternating rounds: "
+    print(f"\nBatch-1 decode step, {what}, {torch.get_num_threads()} threads "
+          f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), {args.rounds} alternating rounds: "
           f"weights read per step {weight_bytes / 1e6:.0f} MB, read bandwidth median {bandwidth:.1f} GB/s "
           f"(range {min(bandwidths):.1f}-{max(bandwidths):.1f}), bound {bound * 1e3:.2f} ms\n")
     print("| path | decode step (median) | range | vs fused | fraction of the read bound |")
