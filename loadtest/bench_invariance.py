@@ -45,18 +45,21 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--long-input-len", type=int, default=2048, help="0: no long-prompt load")
+    parser.add_argument("--kv-cache-memory", type=float, default=None,
+                        help="GiB of KV cache per engine (default: the engine's); three engines are up at once")
     args = parser.parse_args()
 
     from engine import LLM, SamplingParams
 
+    cache = {} if args.kv_cache_memory is None else {"kv_cache_memory": args.kv_cache_memory}
     engines = {
-        "invariant": LLM(dtype=args.dtype, batch_invariant=True, enable_prefix_caching=False),
-        "fast": LLM(dtype=args.dtype, batch_invariant=False, enable_prefix_caching=False),
+        "invariant": LLM(dtype=args.dtype, batch_invariant=True, enable_prefix_caching=False, **cache),
+        "fast": LLM(dtype=args.dtype, batch_invariant=False, enable_prefix_caching=False, **cache),
     }
     before = os.environ.get("PAGODA_CPU_GEMV")
     os.environ["PAGODA_CPU_GEMV"] = "0"  # read when the engine packs its weights
     try:
-        engines["onednn"] = LLM(dtype=args.dtype, batch_invariant=False, enable_prefix_caching=False)
+        engines["onednn"] = LLM(dtype=args.dtype, batch_invariant=False, enable_prefix_caching=False, **cache)
     finally:
         if before is None:
             os.environ.pop("PAGODA_CPU_GEMV")

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_invariance_prints_both_loads():
     out = subprocess.run(
         [sys.executable, "-m", "loadtest.bench_invariance", "--rounds", "1", "--input-len", "16", "--output-len", "4",
-         "--streams", "3", "--long-input-len", "0"],
+         "--streams", "3", "--long-input-len", "0", "--kv-cache-memory", "0.05"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     ).stdout
     rows = [line for line in out.splitlines() if line.startswith(("| 1 stream |", "| 3 streams |"))]

@@ -11,7 +11,9 @@ with PAGODA_DEBUG_INVARIANTS=1; a violation would kill the engine loop and fail 
 At the end: preemptions happened, and the server's RSS did not grow from round 1 to the last.
 
 PAGODA_SOAK_ROUNDS=N runs N rounds (default 2, to keep CI in its budget; round 1 is the warm-up
-RSS baseline, so the default compares round 2 with it).
+RSS baseline, so the default compares round 2 with it). The server runs in bf16, the CPU's
+default dtype (its C++ kernels, the fused decode call, batch invariance: a preempted request
+recomputed in other chunks must give the bits it gave alone).
 """
 
 import asyncio
@@ -26,19 +28,20 @@ import pytest
 ROUNDS = int(os.environ.get("PAGODA_SOAK_ROUNDS", "2"))
 ROUND_SIZE = 40
 MAX_MODEL_LEN = 192
-# 32 blocks of 16 tokens (46080 bytes per token in float32): 512 tokens for 8 sequences
+# 32 blocks of 16 tokens (23040 bytes per token in bfloat16): 512 tokens for 8 sequences
 # of up to 192 tokens (~100 on average), so a full batch does not fit and the newest
 # requests get preempted.
-KV_CACHE_GIB = 32 * 16 * 46080 / 2**30 + 1e-6
+KV_CACHE_GIB = 32 * 16 * 23040 / 2**30 + 1e-6
 MAX_NUM_SEQS = 8
 RSS_GROWTH_LIMIT = 0.10
 """Allowed RSS growth from round 1 (warm-up: every batch shape, allocator pools and
-tokenizer caches are in place after it) to the last round. The server holds ~1.1 GB
+tokenizer caches are in place after it) to the last round. The server holds ~0.8 GB in bf16
 (weights, KV cache, torch, tokenizers); a leak of per-step tensors (the logits alone are
 8 x 49152 floats = 1.5 MB per step, hundreds of steps per round) or of KV-sized buffers adds
 hundreds of MB per round, while allocator churn between similar rounds stays within a few
-tens of MB (measured here: 1091, 1091, 1091 MiB): 10% (~110 MB) is far from both. Leaks of
-a few KB per request need many more rounds to show: PAGODA_SOAK_ROUNDS."""
+tens of MB (measured here: 1091, 1091, 1091 MiB in float32; 829, 830, 830 in bf16): 10%
+(~80 MB) is far from both. Leaks of a few KB per request need many more rounds to show:
+PAGODA_SOAK_ROUNDS."""
 
 RUNNING = "pagoda:num_requests_running"
 WAITING = "pagoda:num_requests_waiting"
@@ -90,7 +93,8 @@ def soak_server(start_server):
     before = os.environ.get("PAGODA_DEBUG_INVARIANTS")
     os.environ["PAGODA_DEBUG_INVARIANTS"] = "1"  # read by the server process at start
     try:
-        server = start_server([
+        server = start_server([  # the CPU's default dtype, bf16: its kernels, fused decode and batch invariance
+            "--dtype", "bfloat16",
             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", f"{KV_CACHE_GIB:.6f}",
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "128", "--no-access-log",
         ])
