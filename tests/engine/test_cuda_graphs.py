@@ -255,7 +255,8 @@ def test_padded_decode_forward_never_syncs_with_quantized_linears(model_path, mo
     from engine.quantization.affine import quantize_tensor
     from engine.quantization.rtn import quantize_weight
 
-    monkeypatch.setattr(linears, "cpu_int4_mm_available", lambda: False)  # AutoGPTQ's layout, as on CUDA
+    monkeypatch.setattr(linears, "gemv_enabled", lambda: False)  # AutoGPTQ's layout, as on CUDA: not Pagoda's
+    monkeypatch.setattr(linears, "cpu_int4_mm_available", lambda: False)  # nor torch's CPU int4 kernel
     monkeypatch.setattr(kernels.quant_linear, "use_triton", lambda device: True)
     core = _engine(model_path, device="cpu", kernel_backend="triton", quantization="int4").engine_core
     layer = core.model.model.layers[0]

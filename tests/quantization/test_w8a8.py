@@ -214,10 +214,15 @@ def test_cuda_engine_with_triton_quantized_linears_equals_the_reference(
     core = llm.engine_core
     assert core.ops.backend == "triton" and core.runner.decode_graphs is not None
     assert core.worker.fallbacks() == []
-    # The CPU reference: no bf16-rounding CPU kernels, the references' float32 (W8A8: exact ints).
+    # The CPU reference: no bf16-rounding CPU kernels, the references' float32 (W8A8: exact ints):
+    # neither torch's int8/int4 kernels nor Pagoda's (the int4 layout, the int8 packed copy).
+    import engine.models.llama as llama
+
     for module in (linears, quant_linear):
         monkeypatch.setattr(module, "cpu_int8_mm_available", lambda: False)
     monkeypatch.setattr(linears, "cpu_int4_mm_available", lambda: False)
+    monkeypatch.setattr(linears, "gemv_enabled", lambda: False)
+    monkeypatch.setattr(llama, "gemv_enabled", lambda: False)
     _, expected = _greedy_tokens(sharp_model_path, method, "cpu", kernel_backend="torch")
     assert got == expected
     assert len({t for tokens in expected for t in tokens}) > 6  # not one repeated token
