@@ -13,7 +13,9 @@ The bf16 linear kernel (`bf16_linear` on weights packed by `pack_bf16_weight`, A
 CPUs only: `bf16_gemv_available`) is routed by engine/models/llama.py's `Linear`, not by
 KernelOps: every call of a bf16 linear, whatever the kernel backend, as the oneDNN path
 otherwise. Its int8 form (`int8_linear` on weights packed by `pack_int8_weight`) runs every
-W8A16 call of an `Int8Linear` holding the packed copy (kernels/quant_linear.py).
+W8A16 call of an `Int8Linear` holding the packed copy (kernels/quant_linear.py), and its
+int4 kernel (`int4_linear` on weights packed by `pack_int4_weight`) every W4A16 call of an
+`Int4Linear` in that layout (engine/quantization/linears.py `cpu_int4_tensors`).
 
 Attention routing (`paged_attention`):
 - bf16 on AVX512-BF16 CPUs (head dims 64/128/256): every chunk in the C++ kernel, which
