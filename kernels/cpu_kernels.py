@@ -244,7 +244,8 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
                        positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
                        scale: float, eps: float, final_norm: torch.Tensor, out_rows: torch.Tensor,
-                       lm_head: torch.Tensor | None = None, invariant: bool = False,
+                       lm_head: torch.Tensor | None = None, lm_head_scales: torch.Tensor | None = None,
+                       invariant: bool = False,
                        lora: list[torch.Tensor] | None = None, lora_rows: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's Llama-style decoder layers for a few bf16 rows in one call
     (csrc/cpu_kernels.cpp `bf16_decode_layers`): the tokens `input_ids` (int64 [M]) looked
@@ -266,7 +267,9 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
     output rows `out_rows` (int64 [R]: the rows that sample), [R, hidden], as `add_rms_norm`
     with no add computes it; with `lm_head` [vocab, hidden] (bf16, packed, no bias), their
     logits instead: float32 [R, vocab], each the bf16 the head's kernel rounds it to (as
-    `bf16_linear(hidden, lm_head).float()`). `invariant`: attention on `paged_attention`'s
+    `bf16_linear(hidden, lm_head).float()`); with `lm_head_scales` too (bf16 [vocab]) the head
+    is int8 packed by `pack_int8_weight` (an `Int8Linear`'s copy: `int8_linear(hidden, lm_head,
+    lm_head_scales).float()`). `invariant`: attention on `paged_attention`'s
     batch-invariant route (as the per-op forward with the same setting; an int8 cache always).
     `lora`, `lora_rows`: a step with LoRA rows (engine/lora.py `LoraManager.fused_tensors`):
     a, bt, offsets per linear and layer, and each row's adapter group; each linear's deltas
@@ -277,7 +280,8 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
                                      positions, slot_mapping, block_tables, seq_lens, query_start_loc, num_heads,
                                      num_kv_heads, scale, eps, q_chunk, FEW_ROWS,
                                      0 if invariant else BLOCK_MIN_ROWS, KEY_PART if invariant else 0, final_norm,
-                                     out_rows, lm_head if lm_head is not None else _EMPTY_BF16, lora or [],
+                                     out_rows, lm_head if lm_head is not None else _EMPTY_BF16,
+                                     lm_head_scales if lm_head_scales is not None else _EMPTY_BF16, lora or [],
                                      lora_rows if lora_rows is not None else _EMPTY_ROWS)
 
 

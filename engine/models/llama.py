@@ -358,13 +358,19 @@ class FusedDecodeLayers:
             self.windows.append(int(attn.sliding_window or 0))
         self.embedding = model.model.embed_tokens.weight.data
         self.final_norm = model.model.norm.weight.data
-        # The LM head too (`logits`) where the model's `compute_logits` is a plain bf16-kernel head:
-        # no bias, no soft-capping, not quantized (the INT4 model's INT8 head stays per-op).
+        # The LM head too (`logits`) where the model's `compute_logits` is a plain head on a C++
+        # kernel: no bias, no soft-capping; a bf16-kernel `Linear`, or an `Int8Linear` with its
+        # packed copy and bf16 row scales (the INT4 model's INT8 head on CPU).
+        from engine.quantization.linears import Int8Linear
+
         head = model.lm_head
-        plain_head = (type(model).compute_logits is LlamaForCausalLM.compute_logits and type(head) is Linear
-                      and head.bias is None and head.kernel_weight is not None
-                      and model.args.final_logit_softcapping is None)
+        int8_head = (type(head) is Int8Linear and head.kernel_weight is not None
+                     and head.scales.dtype == torch.bfloat16)
+        plain_head = (type(model).compute_logits is LlamaForCausalLM.compute_logits
+                      and (int8_head or (type(head) is Linear and head.kernel_weight is not None))
+                      and head.bias is None and model.args.final_logit_softcapping is None)
         self.lm_head: torch.Tensor | None = head.kernel_weight if plain_head else None
+        self.lm_head_scales: torch.Tensor | None = head.scales if plain_head and int8_head else None
         self.rope = model.rope
 
     def _add_linear(self, linear: nn.Module) -> None:
@@ -427,7 +433,8 @@ class FusedDecodeLayers:
             input_ids.contiguous(), self.embedding, self.tensors, self.kinds, caches, self.windows,
             *self.rope.tables(), positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, self.num_heads, self.num_kv_heads, self.scale, self.eps, self.final_norm,
-            meta.logits_indices, self.lm_head if logits else None, invariant=self.batch_invariant,
+            meta.logits_indices, self.lm_head if logits else None,
+            lm_head_scales=self.lm_head_scales if logits else None, invariant=self.batch_invariant,
             lora=lora[0] if lora else None, lora_rows=lora[1] if lora else None,
         )
 

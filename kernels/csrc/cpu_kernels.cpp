@@ -2686,7 +2686,8 @@ struct DecodeLinear {
 // attention arguments after them are paged_attention's (its bf16 routing: q_chunk,
 // few_rows, block_over), the metadata shared by every layer. Returns [R, hidden]: the
 // model's final norm (`final_norm`) of the last layer's output rows `out_rows` [R] (the
-// rows that sample); with a non-empty `lm_head` [vocab, hidden] (bf16, no bias) instead
+// rows that sample); with a non-empty `lm_head` [vocab, hidden] (bf16, no bias; or int8 with
+// bf16 row scales `lm_head_scales`, an Int8Linear's packed copy: the INT4 model's head) instead
 // their logits, float32 [R, vocab]: the head through the GEMV (each logit rounded to bf16
 // once, as the model's head computes it) and widened to float32, as the sampler widens
 // them. The lookup, the norm and the head were the eager ops around the call, each several
@@ -2700,7 +2701,8 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
                                  int64_t num_heads, int64_t num_kv_heads, double scale, double eps, int64_t q_chunk,
                                  int64_t few_rows, int64_t block_over, int64_t key_part, const torch::Tensor& final_norm,
                                  const torch::Tensor& out_rows, const torch::Tensor& lm_head,
-                                 const std::vector<torch::Tensor>& lora, const torch::Tensor& lora_rows) {
+                                 const torch::Tensor& lm_head_scales, const std::vector<torch::Tensor>& lora,
+                                 const torch::Tensor& lora_rows) {
   constexpr size_t kPerLayer = 14;
   const size_t L = windows.size();
   TORCH_CHECK(lora.empty() || (lora.size() == 12 * L && lora_rows.numel() == input_ids.numel()),
@@ -2731,9 +2733,13 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
   for (int64_t r = 0; r < R; ++r) {
     TORCH_CHECK(out_row[r] >= 0 && out_row[r] < M, "bf16_decode_layers: out_rows index ", out_row[r], " not in [0, ", M, ")");
   }
-  const bool logits = lm_head.numel() > 0;
-  TORCH_CHECK(!logits || (kHaveBf16Gemv && is_packed_bf16(lm_head) && lm_head.size(1) == hidden),
-              "bf16_decode_layers: an LM head is a bfloat16 [vocab, hidden] packed by pack_bf16_weight (and needs the GEMV)");
+  const bool logits = lm_head.numel() > 0, int8_head = lm_head_scales.numel() > 0;
+  TORCH_CHECK(!logits || (kHaveBf16Gemv && lm_head.size(1) == hidden &&
+                          (int8_head ? is_packed_int8(lm_head) && lm_head_scales.scalar_type() == at::kBFloat16 &&
+                                           lm_head_scales.is_contiguous() && lm_head_scales.numel() == lm_head.size(0)
+                                     : is_packed_bf16(lm_head))),
+              "bf16_decode_layers: an LM head is a bfloat16 [vocab, hidden] packed by pack_bf16_weight, or an int8 one ",
+              "packed by pack_int8_weight with bfloat16 row scales (and needs the GEMV)");
   auto linear_of = [&](size_t l, int i) {
     const torch::Tensor* t = &layer_tensors[kPerLayer * l + (i < 2 ? 1 + 3 * i : 8 + 3 * (i - 2))];
     const int64_t kind = kinds[4 * l + i];
@@ -2842,7 +2848,7 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
   // The widening on the work pool, not torch's `.to(float)`: that copy (49,152 logits a
   // row) is an OpenMP parallel op, the one of a decode step, and waking torch's team costs
   // more than the copy (and stalls when a neighbour holds a core).
-  const torch::Tensor bf16_logits = DecodeLinear{&lm_head, &none, &none, 0}(out);
+  const torch::Tensor bf16_logits = DecodeLinear{&lm_head, &none, &lm_head_scales, int8_head ? -1 : 0}(out);
   torch::Tensor float_logits = torch::empty(bf16_logits.sizes(), opts.dtype(at::kFloat));
   const uint16_t* src = reinterpret_cast<const uint16_t*>(bf16_logits.data_ptr());
   float* dst = float_logits.data_ptr<float>();

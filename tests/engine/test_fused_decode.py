@@ -164,14 +164,17 @@ def test_a_token_outside_the_vocabulary_is_an_error_not_a_read_past_the_table():
         forward(model, None, input_ids, positions, caches, meta)
 
 
+@pytest.mark.parametrize("quantization", [None, "int4"], ids=["bf16-head", "int8-head-of-int4"])
 @pytest.mark.parametrize("batch", ["one decode", "a verification chunk and decodes"])
-def test_decode_logits_equal_the_per_op_head_widened(batch):
+def test_decode_logits_equal_the_per_op_head_widened(batch, quantization):
     """With the LM head in the call (`LlamaForCausalLM.decode_logits`, what the Worker runs
     for a decode step): float32 logits equal to the per-op forward's head output widened
-    to float32, as the sampler widens it; every sampling row, bit for bit."""
-    model = make_model("llama")
+    to float32, as the sampler widens it; every sampling row, bit for bit. The bf16 head, and
+    the INT4 model's INT8 head (`--quantization int4` on CPU: the int8 kernel's packed copy)."""
+    model = make_model("llama", quantization=quantization)
     model.fused_decode = fused = FusedDecodeLayers.build(model)
     assert fused.lm_head is not None
+    assert (fused.lm_head_scales is not None) == (quantization == "int4")
     ops = get_ops("cpu", torch.device("cpu"))
     input_ids, positions, caches, meta = make_step(model, BATCHES[batch])
     expected_hidden, _ = forward(model, None, input_ids, positions, caches, meta)
@@ -184,12 +187,14 @@ def test_decode_logits_equal_the_per_op_head_widened(batch):
     assert model.decode_logits(input_ids, positions, caches, meta, get_ops("torch", torch.device("cpu"))) is None
 
 
-def test_a_quantized_head_stays_out_of_the_call():
-    """The INT4 model's INT8 LM head (`--quantization int4`) is not the GEMV head: the call
-    returns hidden states and the model's own head computes the logits."""
+def test_a_head_without_a_kernel_copy_stays_out_of_the_call():
+    """An INT8 head without the int8 kernel's packed copy (an `Int8Linear` the engine did not
+    prepack) is not a head the call can run: it returns hidden states and the model's own
+    head computes the logits."""
     model = make_model("llama", quantization="int4")
+    model.lm_head.kernel_weight = None
     fused = FusedDecodeLayers.build(model)
-    assert fused is not None and fused.lm_head is None
+    assert fused is not None and fused.lm_head is None and fused.lm_head_scales is None
     model.fused_decode = fused
     input_ids, positions, caches, meta = make_step(model, BATCHES["one decode"])
     assert model.decode_logits(input_ids, positions, caches, meta, get_ops("cpu", torch.device("cpu"))) is None
