@@ -361,7 +361,7 @@ def run_worker_rank(ns: argparse.Namespace) -> int:
     return 0
 
 
-def prefer_passive_openmp(environ=None) -> None:
+def prefer_passive_openmp() -> None:
     """OMP_WAIT_POLICY=passive for this process unless the user set it: torch's idle OpenMP
     threads then sleep at once instead of spinning on the cores the C++ kernels' work pool
     needs (engine/cpu_threads.py says why). Not with PAGODA_CPU_LOOPS=openmp (the kernels as
@@ -371,10 +371,8 @@ def prefer_passive_openmp(environ=None) -> None:
     sleeping thread's wake-up (`OMP_WAIT_POLICY=active` by hand there). Takes effect only
     before torch (its libgomp) loads, so `main` calls it first; this module imports no torch
     at the top."""
-    environ = os.environ if environ is None else environ
-    if environ.get("PAGODA_CPU_LOOPS") == "openmp" or "torch" in sys.modules:
-        return
-    environ.setdefault("OMP_WAIT_POLICY", "passive")
+    if os.environ.get("PAGODA_CPU_LOOPS") != "openmp" and "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2044,8 +2044,8 @@ void int8_linear_impl(const uint16_t* x, const int8_t* packed, const uint16_t* s
 // mantissa bits of the lane's two bf16 halves, and one vpternlogd keeps those bits and sets
 // the exponent: (lane & 0x00780078) | 0x3F803F80. A line costs a load, three rotates and four
 // ternary-logic ops for its four vdpbf16ps (a vpermw lookup per vector was ~2x slower here).
-constexpr int64_t kInt4LanesMask = 0x00780078;  // the top 4 mantissa bits of both bf16 halves
-constexpr int64_t kInt4One = 0x3F803F80;        // bf16 1.0 in both halves
+constexpr int kInt4LanesMask = 0x00780078;  // the top 4 mantissa bits of both bf16 halves
+constexpr int kInt4One = 0x3F803F80;        // bf16 1.0 in both halves
 
 // Vector t of a line (see above) as bf16 (1 + q / 16), pairs in vdpbf16ps's order.
 template <int T>
@@ -2158,7 +2158,8 @@ void int4_group_sums(const uint16_t* x, float* xs, int64_t M, int64_t K, int64_t
 // rows x two (the registers: a chain and a total per 16 outputs and row).
 void int4_linear_impl(const uint16_t* x, const uint8_t* packed, uint16_t* y, int64_t M, int64_t K, int64_t N,
                       int64_t gk) {
-  std::vector<float> sums(static_cast<size_t>(M * (K / gk)));
+  thread_local std::vector<float> sums;  // the caller's: a decode step calls this 4x per layer
+  sums.resize(static_cast<size_t>(M * (K / gk)));
   int4_group_sums(x, sums.data(), M, K, gk);
   const float* xs = sums.data();
   const int64_t gs = K / gk * int4_block_bytes(gk);
