@@ -53,17 +53,30 @@ def _listed_slow(nodeid: str) -> str | None:
     return None
 
 
+def _stale_slow_tests(config, nodeids) -> str | None:
+    """The complaint when the whole suite was collected and SLOW_TESTS names a test it lacks."""
+    stale = sorted(set(SLOW_TESTS) - {_listed_slow(nodeid) for nodeid in nodeids})
+    if stale and config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+        return f"tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}"
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
 def pytest_collection_modifyitems(config, items):
-    used = set()
     for item in items:
-        key = _listed_slow(item.nodeid)
-        used.add(key)
-        if key is not None or "default_model_path" in item.fixturenames:
+        if _listed_slow(item.nodeid) is not None or "default_model_path" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
-    stale = sorted(set(SLOW_TESTS) - used)
-    if stale and config.args_source == pytest.Config.ArgsSource.TESTPATHS:  # the whole suite was collected
-        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}")
+    # Under pytest-xdist (`make test` runs two workers) the controller checks, below: an error
+    # raised in a worker's collection reaches the terminal as an INTERNALERROR without its text.
+    if not hasattr(config, "workerinput") and (complaint := _stale_slow_tests(config, [i.nodeid for i in items])):
+        raise pytest.UsageError(complaint)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The SLOW_TESTS check under pytest-xdist, on the node ids a worker collected."""
+    if complaint := _stale_slow_tests(node.config, ids):
+        pytest.exit(complaint, returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.fixture(scope="session")
