@@ -121,17 +121,7 @@ def load() -> ModuleType | None:
             reason = f"the CPU kernels are built for Linux only (this is {sys.platform})"
         else:
             try:
-                _put_ninja_on_path()
-                from torch.utils import cpp_extension
-
-                digest = hashlib.sha256(b"".join(p.read_bytes() for p in [SOURCE, *HEADERS])).hexdigest()[:10]
-                module = cpp_extension.load(
-                    name=f"pagoda_cpu_kernels_{digest}_{_cpu_fingerprint()}",
-                    sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=os.environ.get("PAGODA_VERBOSE_BUILD") == "1",
-                )
+                module = build(SOURCE, HEADERS)
             except Exception as e:  # a missing compiler or ninja, a failed build: run the reference
                 reason = f"could not build the CPU kernels ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e})"
         if module is not None and os.environ.get(LOOPS_ENV) == "openmp":
@@ -142,6 +132,23 @@ def load() -> ModuleType | None:
         if reason:
             logger.warning("%s; running the torch reference ops on CPU (slower)", reason)
         return module
+
+
+def build(source: Path, headers: list[Path]) -> ModuleType:
+    """Compile (or reuse the cached build of) `source` as an extension module named by its
+    and its headers' contents and this CPU (`load` builds the repository's kernels with it;
+    `python -m loadtest.bench_linear --baseline-rev` another revision's, beside them)."""
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [source, *headers])).hexdigest()[:10]
+    return cpp_extension.load(
+        name=f"pagoda_cpu_kernels_{digest}_{_cpu_fingerprint()}",
+        sources=[str(source)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"],
+        verbose=os.environ.get("PAGODA_VERBOSE_BUILD") == "1",
+    )
 
 
 def _put_ninja_on_path() -> None:

@@ -143,7 +143,8 @@ gemv = pytest.mark.skipif(not cpu_kernels.bf16_gemv_available(), reason="the CPU
 
 @gemv
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 70])
-@pytest.mark.parametrize("n, k", [(97, 576), (1, 64), (131, 1536), (53, 100), (7, 31)])
+# K = 1024: rows 2 KB apart, which the many-row tiles read from a copy with a longer stride.
+@pytest.mark.parametrize("n, k", [(97, 576), (1, 64), (131, 1536), (53, 100), (7, 31), (33, 1024)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_gemv_equals_float64_reference(rows, n, k, with_bias):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -177,12 +178,13 @@ def test_bf16_gemv_odd_shapes_and_thread_split():
 
 
 @gemv
-@pytest.mark.parametrize("n, k", [(96, 576), (53, 100), (7, 31), (200, 1536)])
+@pytest.mark.parametrize("n, k", [(96, 576), (53, 100), (7, 31), (200, 1536), (40, 2048)])
 def test_bf16_linear_rows_are_batch_invariant(n, k):
     """A row's outputs are the same bits alone and among 1 to 150 rows, at any position in
     the call: the register tiles of 11 rows, the passes of 64 rows, the few-row two-group
-    path and the tails all compute an output with the one arithmetic. Teeth: oneDNN's packed
-    GEMM of the same bf16 weight does not (a row's bits change with the row count)."""
+    path, the tails, and (K = 2048) the copy of the rows the many-row tiles read all compute
+    an output with the one arithmetic. Teeth: oneDNN's packed GEMM of the same bf16 weight
+    does not (a row's bits change with the row count)."""
     g = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
@@ -213,7 +215,7 @@ def test_onednn_packed_gemm_is_not_batch_invariant():
 
 @gemv
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 40])
-@pytest.mark.parametrize("n, k", [(97, 576), (1, 64), (4 * 48 + 3, 1536), (53, 100), (7, 31)])
+@pytest.mark.parametrize("n, k", [(97, 576), (1, 64), (4 * 48 + 3, 1536), (53, 100), (7, 31), (35, 1024)])
 def test_int8_gemv_equals_float64_reference(rows, n, k):
     """The W8A16 GEMV: exact products of int8 weights (the full range, -128 included) and
     bf16 x, float32 sums, times the row's scale, one bf16 rounding; rows past a block of
