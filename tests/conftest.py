@@ -9,7 +9,7 @@ model or none.
 
 import os
 
-# As `pagoda` runs (server/cli.py `prefer_passive_openmp`): torch's idle OpenMP threads sleep
+# As `pagoda` runs (engine/__init__.py `prefer_passive_openmp`): torch's idle OpenMP threads sleep
 # instead of spinning on the cores the C++ kernels' work pool needs. Set here, before anything
 # imports torch, for the in-process engines of the tests (the servers they start set it
 # themselves).
@@ -61,8 +61,16 @@ def _stale_slow_tests(config, nodeids) -> str | None:
     return None
 
 
+FIRST_FOLDERS = ("tests/server/", "tests/ops/")
+"""Collected first: their modules start servers and run longest (10-70 s each). pytest-xdist
+hands whole modules to its workers in collection order, so the long ones go out first and the
+short ones last, and the two workers finish together instead of one running a long module
+while the other waits."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST_FOLDERS))  # stable: in-module order kept
     for item in items:
         if _listed_slow(item.nodeid) is not None or "default_model_path" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
