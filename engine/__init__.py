@@ -1,8 +1,29 @@
 """Pagoda engine: everything between a request and a token."""
 
-from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+import os as _os
+import sys as _sys
+
+
+def prefer_passive_openmp() -> None:
+    """OMP_WAIT_POLICY=passive for this process unless the user set it: torch's idle OpenMP
+    threads then sleep at once instead of spinning on the cores the C++ kernels' work pool
+    needs (engine/cpu_threads.py says why; at 32 rows on the 1B-class model in bf16, `LLM`
+    under the default policy gave 123 tok/s where passive gave 173 in development runs, 30% of
+    the CPU time in libgomp's spin). Not with PAGODA_CPU_LOOPS=openmp (the kernels as they
+    were before the pool, for A/B benchmarks). libgomp reads the variable when torch loads
+    it, so this runs when the package is first imported, before the imports below load
+    torch: `pagoda` and `from engine import LLM` alike. A program that imported torch
+    first keeps the default (the engine's `cpu_threads` start-up fact then says its idle
+    threads spin)."""
+    if _os.environ.get("PAGODA_CPU_LOOPS") != "openmp" and "torch" not in _sys.modules:
+        _os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+
+prefer_passive_openmp()
+
+from engine.config import EngineConfig  # noqa: E402  (torch loads here, after the policy)
+from engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def __getattr__(name: str):

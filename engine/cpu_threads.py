@@ -19,7 +19,7 @@ Pagoda's C++ kernels run their loops on a work pool of their own (kernels/csrc/w
 torch's own ops run on OpenMP's team, whose idle threads by default spin for ~300,000
 pauses (milliseconds) after every parallel op, on the cores the pool's threads need
 (loadtest/bench_noise.py's quiet A/B shows what that costs). `pagoda` therefore starts with
-OMP_WAIT_POLICY=passive (server/cli.py `prefer_passive_openmp`, before torch loads; a value
+OMP_WAIT_POLICY=passive (engine/__init__.py `prefer_passive_openmp`, before torch loads; a value
 the user set is kept): torch's idle threads sleep at once, each parallel torch op pays a wake-up instead.
 INT4 and INT8 linears run C++ kernels on the pool too (where the kernels build with
 AVX512-BF16), so a decode step has no parallel torch op left.

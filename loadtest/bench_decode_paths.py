@@ -18,8 +18,8 @@ The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
   layout (`_weight_int4pack_mm_for_cpu`, on OpenMP's team: what served INT4 before Pagoda's
   int4 kernel), run per op (the fused call takes Pagoda's kernels only).
 
-The process runs under `OMP_WAIT_POLICY=passive`, as `pagoda` does, unless the variable is
-set (`OMP_WAIT_POLICY=active` gives torch's int4 kernel its spinning team).
+The process runs under `OMP_WAIT_POLICY=passive`, as `pagoda` does (loadtest/__init__.py), unless
+the variable is set (`OMP_WAIT_POLICY=active` gives torch's int4 kernel its spinning team).
 
 This VM's memory bandwidth drifts by up to 2x over minutes, so the paths take turns, round
 after round, and the read bandwidth (`bench_offline.measure_read_bandwidth_gbs`) is measured
@@ -36,14 +36,10 @@ import statistics
 import sys
 import time
 
-# As `pagoda` runs (server/cli.py `prefer_passive_openmp`), unless set by hand: torch's idle
-# OpenMP threads sleep instead of spinning on the work pool's cores. Before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+import torch
 
-import torch  # noqa: E402
-
-from loadtest.bench_engine_gpu import decode_weight_bytes  # noqa: E402
-from loadtest.bench_offline import measure_read_bandwidth_gbs  # noqa: E402
+from loadtest.bench_engine_gpu import decode_weight_bytes
+from loadtest.bench_offline import measure_read_bandwidth_gbs
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -361,22 +361,8 @@ def run_worker_rank(ns: argparse.Namespace) -> int:
     return 0
 
 
-def prefer_passive_openmp() -> None:
-    """OMP_WAIT_POLICY=passive for this process unless the user set it: torch's idle OpenMP
-    threads then sleep at once instead of spinning on the cores the C++ kernels' work pool
-    needs (engine/cpu_threads.py says why). Not with PAGODA_CPU_LOOPS=openmp (the kernels as
-    they were before the pool, for A/B benchmarks). Every decode kernel, INT4's and INT8's
-    included, runs on the pool where the C++ kernels build with AVX512-BF16; on a CPU without
-    it INT4 linears run torch's int4 kernel on OpenMP's team, a few per layer, each paying a
-    sleeping thread's wake-up (`OMP_WAIT_POLICY=active` by hand there). Takes effect only
-    before torch (its libgomp) loads, so `main` calls it first; this module imports no torch
-    at the top."""
-    if os.environ.get("PAGODA_CPU_LOOPS") != "openmp" and "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-
-
 def main(argv: list[str] | None = None) -> int:
-    prefer_passive_openmp()  # before anything loads torch
+    import engine  # noqa: F401  first: engine/__init__.py sets OMP_WAIT_POLICY=passive before torch loads
     parser = build_parser()
     try:
         ns = parse_serve_args(parser, argv)

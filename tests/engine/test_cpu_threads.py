@@ -109,17 +109,34 @@ def test_one_cpu_of_cgroup_quota_gives_one_thread_and_says_why():
     assert n == "1" and "a cgroup CPU quota of 1 CPU" in why, run.stdout
 
 
-@pytest.mark.parametrize("env, policy", [
-    ({}, "passive"),
-    ({"OMP_WAIT_POLICY": "active"}, "active"),  # the user's choice is kept
-    ({"PAGODA_CPU_LOOPS": "openmp"}, "None"),  # the kernels on OpenMP's team: its default spinning
+@pytest.mark.parametrize("first, env, policy, torch_loaded", [
+    ("import engine", {}, "passive", True),
+    ("from engine import LLM", {}, "passive", True),  # the Python API as `pagoda` runs
+    ("import loadtest.bench_offline", {}, "passive", True),  # the benchmarks' in-process engines too
+    ("from server.cli import main", {}, "None", False),  # the CLI module alone loads neither (main does)
+    ("import engine", {"OMP_WAIT_POLICY": "active"}, "active", True),  # the user's choice is kept
+    ("import engine", {"PAGODA_CPU_LOOPS": "openmp"}, "None", True),  # the kernels on OpenMP's team: its default
+    ("import torch, engine", {}, "None", True),  # torch loaded first: too late for libgomp, left alone
 ])
-def test_pagoda_asks_passive_openmp_threads(env, policy):
-    """`pagoda` sets OMP_WAIT_POLICY=passive before torch loads, so torch's idle threads leave
-    the work pool's cores free (INT4 too: its linears are a C++ kernel on the pool)."""
-    probe = ("import os; from server.cli import prefer_passive_openmp; "
-             "prefer_passive_openmp(); print(os.environ.get('OMP_WAIT_POLICY'))")
+def test_importing_the_engine_asks_passive_openmp_threads(first, env, policy, torch_loaded):
+    """The engine package (and the benchmarks' package) set OMP_WAIT_POLICY=passive before
+    they load torch, whose libgomp reads it then: torch's idle threads leave the work pool's
+    cores free, for `pagoda`, `LLM` and the benchmarks alike."""
+    probe = f"{first}; import os, sys; print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "PAGODA_CPU_LOOPS")}
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=base | env)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-1] == policy
+    assert run.stdout.split()[-2:] == [policy, str(torch_loaded)]
+
+
+def test_pagoda_main_imports_the_engine_before_anything_loads_torch():
+    """`pagoda`'s entry point: the policy is in place by the time torch is loaded."""
+    probe = ("import sys, server.cli as cli; assert 'torch' not in sys.modules\n"
+             "def stop(*a, **k):\n"
+             "    import os; print(os.environ.get('OMP_WAIT_POLICY')); raise SystemExit(0)\n"
+             "cli.build_parser = stop\n"
+             "cli.main([])")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "PAGODA_CPU_LOOPS")}
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=base)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "passive"
