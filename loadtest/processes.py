@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+import loadtest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PORT = "{port}"
 """Stands in a command for the port the server is given."""
@@ -47,7 +49,9 @@ class Process:
 
     `env` is added to this process's environment, less the variables named in `drop_env`
     (the tests drop PAGODA_API_KEY: a server's key comes from its flags only, never from the
-    environment of whoever runs them). `stop()` sends SIGTERM to the process, or with
+    environment of whoever runs them) and less the OMP_WAIT_POLICY loadtest/__init__.py set
+    for this process's own engines (a peer keeps its OpenMP default: passive made
+    llama-server's bundled-model ITL ~2.5x). `stop()` sends SIGTERM to the process, or with
     `signal_group` to its whole session (a server that does not end its own children),
     and SIGKILL to the session after `stop_timeout_s`.
     """
@@ -67,7 +71,7 @@ class Process:
         self.signal_group = signal_group
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "wb")
-        dropped = set(drop_env)
+        dropped = set(drop_env) | ({"OMP_WAIT_POLICY"} if loadtest.SET_OMP_WAIT_POLICY else set())
         full_env = {k: v for k, v in os.environ.items() if k not in dropped} | dict(env or {})
         self.proc = subprocess.Popen(
             self.args, cwd=REPO_ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,

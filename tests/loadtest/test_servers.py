@@ -4,8 +4,11 @@ KV cache from free RAM, ~10 GB here, too much for a test)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 
+from loadtest.processes import REPO_ROOT
 from loadtest.servers import ServerSpec, Skipped, llama_cpp_spec, pagoda_spec, peer_specs
 
 
@@ -55,3 +58,19 @@ def test_llama_server_is_found_by_flag_or_env_and_started_with_its_slots(tmp_pat
     assert cmd[cmd.index("-t") + 1] == "2" and cmd[cmd.index("-tb") + 1] == "2"
     assert cmd[cmd.index("-np") + 1] == "32" and cmd[cmd.index("-c") + 1] == str(32 * 160)
     assert "--cont-batching" in cmd and "{port}" in cmd
+
+
+def test_started_processes_get_the_environment_without_the_policy_loadtest_set(tmp_path):
+    """loadtest/__init__.py sets OMP_WAIT_POLICY=passive for the benchmarks' own engines; a
+    process they start (a peer such as llama-server, whose OpenMP threads would then sleep
+    at every barrier) gets the environment as it was, and a value set by hand is passed on."""
+    probe = ("import loadtest, os, sys; from loadtest.processes import Process; "
+             "p = Process('probe', [sys.executable, '-c', 'import os; print(os.environ.get(\"OMP_WAIT_POLICY\"))'], "
+             "__import__('pathlib').Path(sys.argv[1])); p.proc.wait(); p.log.close(); "
+             "print(os.environ.get('OMP_WAIT_POLICY'), open(sys.argv[1]).read().strip())")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "PAGODA_CPU_LOOPS")}
+    for env, want in (({}, "passive None"), ({"OMP_WAIT_POLICY": "active"}, "active active")):
+        run = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "log.txt")], capture_output=True, text=True,
+                             timeout=60, env=base | env, cwd=REPO_ROOT)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.split("\n")[-2] == want, run.stdout
