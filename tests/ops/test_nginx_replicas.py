@@ -195,15 +195,27 @@ class Proxy:
     max_fails: int
     fail_timeout_s: int
 
-    def access_log(self) -> dict[str, dict]:
-        """Test request id -> what nginx logged for it (requests sent without an id left out)."""
-        entries = {}
-        for line in (self.work / "access.log").read_text().splitlines():
-            entry = json.loads(line)
-            if entry["id"]:
-                entry["upstreams"] = [a.strip() for a in entry["upstream_addr"].split(",") if a.strip()]
-                entries[entry["id"]] = entry
-        return entries
+    def access_log(self, wait_for: list[str] = (), timeout_s: float = 10.0) -> dict[str, dict]:
+        """Test request id -> what nginx logged for it (requests sent without an id left out).
+
+        nginx writes a request's line in its log phase, after the response has reached the
+        client, so a request just answered may not be there yet (seen with the suite's two
+        workers busy): the file is read again, up to `timeout_s`, until every id in
+        `wait_for` is in it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            entries = {}
+            for line in (self.work / "access.log").read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a line being written as we read: the next read has it
+                    continue
+                if entry["id"]:
+                    entry["upstreams"] = [a.strip() for a in entry["upstream_addr"].split(",") if a.strip()]
+                    entries[entry["id"]] = entry
+            if set(wait_for) <= entries.keys() or time.monotonic() > deadline:
+                return entries
+            time.sleep(0.05)
 
     def error_log(self) -> str:
         return (self.work / "error.log").read_text(errors="replace")
@@ -321,7 +333,7 @@ def test_concurrent_traffic_is_served_by_both_replicas(proxy, model_name):
     # Each request ran on exactly one replica (no retries while both are up), and both got some.
     assert sum(deltas) == len(jobs), deltas
     assert min(deltas) >= 1, f"finished requests per replica: {deltas}"
-    log = proxy.access_log()
+    log = proxy.access_log(wait_for=[o.request_id for o in outcomes])
     assert {len(log[o.request_id]["upstreams"]) for o in outcomes} == {1}
     assert {a for o in outcomes for a in log[o.request_id]["upstreams"]} == {r.addr for r in proxy.replicas}
     # Greedy answers do not depend on the replica: the replicas are interchangeable.
@@ -399,7 +411,7 @@ def test_replica_killed_mid_run(proxy, model_name):
         for t in threads:
             t.join(timeout=60)
     kill_time = killed_at[0]
-    log = proxy.access_log()
+    log = proxy.access_log(wait_for=[o.request_id for o in outcomes])
 
     def tried(o: Outcome) -> list[str] | None:
         """The replicas nginx tried for `o`, in order (None: nginx logged no such request)."""
