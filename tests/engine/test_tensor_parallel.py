@@ -165,11 +165,14 @@ def test_a_worker_that_stops_answering_fails_the_engine_instead_of_hanging_it(
     """A hung (not dead) rank: rank 0 gives up after the collective timeout, and the error
     ends the engine (the ranks are out of step), not just the step. A worker that dies is
     the server test's case (tests/server/test_tensor_parallel_server.py)."""
-    monkeypatch.setattr(parallel_state, "MODEL_TIMEOUT", timedelta(seconds=3))  # rank 0's (this process's)
-    llm = LLM(model=str(tp_models["kv1-untied"]), dtype="float32", max_model_len=512, tensor_parallel_size=2)
+    llm = LLM(model=str(tp_models["kv1-untied"]), dtype="float32", max_model_len=512, tensor_parallel_size=2,
+              kv_cache_memory=0.05)
     worker = llm.engine_core.executor.workers[0]
     try:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        # Rank 0's (this process's) timeout, short only from here: the first step under the
+        # default one (on a busy machine the worker can take seconds to reach it).
+        monkeypatch.setattr(parallel_state, "MODEL_TIMEOUT", timedelta(seconds=3))
         os.kill(worker.pid, signal.SIGSTOP)
         with pytest.raises(TensorParallelError, match="out of step .*[Tt]imed out"):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
