@@ -7,9 +7,8 @@ import sys as _sys
 def prefer_passive_openmp() -> None:
     """OMP_WAIT_POLICY=passive for this process unless the user set it: torch's idle OpenMP
     threads then sleep at once instead of spinning on the cores the C++ kernels' work pool
-    needs (engine/cpu_threads.py says why; at 32 rows on the 1B-class model in bf16, `LLM`
-    under the default policy gave 123 tok/s where passive gave 173 in development runs, 30% of
-    the CPU time in libgomp's spin). Not with PAGODA_CPU_LOOPS=openmp (the kernels as they
+    needs (engine/cpu_threads.py says why; docs/BENCHMARKS.md, "32 streams on the 1B-class
+    model", what the spin cost `LLM`). Not with PAGODA_CPU_LOOPS=openmp (the kernels as they
     were before the pool, for A/B benchmarks). libgomp reads the variable when torch loads
     it, so this runs when the package is first imported, before the imports below load
     torch: `pagoda` and `from engine import LLM` alike. A program that imported torch

@@ -133,19 +133,19 @@ def main() -> None:
                 new = time_per_call(lambda xs, wp: linear(xs, wp[0], None, wp[1]), x, pairs)
                 cells = ["", "", ""] + ["", "", ""] * bool(baseline)
                 if kernel_weights and rows <= GEMV_BENCH_ROWS:
-                    cpp = time_per_call(lambda xs, w: cpu_kernels.bf16_linear(xs, w), x, kernel_weights)
-                    cells[:3] = [f"{cpp * 1e3:.3f}", f"{size / cpp / 1e9:.1f}", f"{new / cpp:.2f}x"]
-                    if baseline:  # alternating with this tree's kernel: its best of three turns each
+                    ours = lambda xs, w: cpu_kernels.bf16_linear(xs, w)  # noqa: E731
+                    if baseline:  # in turns with this tree's kernel: the best of three turns each
                         out = torch.empty(rows, n, dtype=dtype)
-                        ran_base = lambda xs, w: baseline.bf16_gemv(out, xs, w, None)  # noqa: E731
-                        turns = [(time_per_call(ran_base, x, kernel_weights),
-                                  time_per_call(lambda xs, w: cpu_kernels.bf16_linear(xs, w), x, kernel_weights))
+                        theirs = lambda xs, w: baseline.bf16_gemv(out, xs, w, None)  # noqa: E731
+                        turns = [(time_per_call(theirs, x, kernel_weights), time_per_call(ours, x, kernel_weights))
                                  for _ in range(3)]
                         base, cpp = min(t[0] for t in turns), min(t[1] for t in turns)
-                        ran_base(x, kernel_weights[0])
-                        same = torch.equal(out, cpu_kernels.bf16_linear(x, kernel_weights[0]))
-                        cells[:3] = [f"{cpp * 1e3:.3f}", f"{size / cpp / 1e9:.1f}", f"{new / cpp:.2f}x"]
+                        theirs(x, kernel_weights[0])
+                        same = torch.equal(out, ours(x, kernel_weights[0]))
                         cells[3:] = [f"{base * 1e3:.3f}", f"{cpp / base:.2f}x", "yes" if same else "NO"]
+                    else:
+                        cpp = time_per_call(ours, x, kernel_weights)
+                    cells[:3] = [f"{cpp * 1e3:.3f}", f"{size / cpp / 1e9:.1f}", f"{new / cpp:.2f}x"]
                 print(f"| {str(dtype)[6:]} | {name} | {rows} | {old * 1e3:.3f} | {new * 1e3:.3f} | {old / new:.2f}x "
                       f"| {size / new / 1e9:.1f} | " + " | ".join(cells) + " |")
             del weights, packed, pairs, kernel_weights

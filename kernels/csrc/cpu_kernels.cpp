@@ -1945,11 +1945,10 @@ constexpr int64_t kPieceBytes = 128 * 1024;  // few rows: weight bytes per piece
 
 // x's rows as the many-row tiles read them. Rows 2 KB apart (or a multiple: K = 2048, 4096, ...)
 // put the same pair of every row in the same few of L1's 64 sets of 64 bytes, so a tile's 11
-// rows evict each other's lines before the 16 pairs of each are used: at 32 rows on the
-// 1B-class model's shapes the K = 2048 linears ran at 0.68 of the bf16 GEMM rate, its K = 5632
-// one at 0.92. Such rows (M > 4) are copied, once per call, into a per-thread buffer with a
-// row stride 64 bytes longer; `ldx` is set to the stride the tiles then use. (The arithmetic
-// is unchanged: only where the inputs are read from.)
+// rows evict each other's lines before the 16 pairs of each are used. Such rows (M > 4) are
+// copied, once per call, into a per-thread buffer with a row stride 64 bytes longer; `ldx` is
+// set to the stride the tiles then use. The arithmetic is unchanged (only where the inputs
+// are read from); what it gains: docs/BENCHMARKS.md, "32 streams on the 1B-class model".
 inline const uint16_t* unaliased_rows(const uint16_t* x, int64_t M, int64_t K, int64_t& ldx) {
   ldx = K;
   if (M <= 4 || (K * 2) % 2048 != 0) return x;
@@ -2185,7 +2184,7 @@ void int4_linear_impl(const uint16_t* x, const uint8_t* packed, uint16_t* y, int
   int4_group_sums(x, sums.data(), M, K, gk);
   const float* xs = sums.data();
   const int64_t gs = K / gk * int4_block_bytes(gk);
-  // x read in place (no unaliased_rows): 6-row tiles fit L1's ways; the copy was 1.00-1.05x slower.
+  // x read in place (no unaliased_rows): 6-row tiles fit in L1's 8 ways, and the copy did not pay.
   schedule_packed_linear(
       M, N, gs, 6, 2,
       [&](int64_t g, int64_t m, int64_t mb) {
