@@ -201,7 +201,7 @@ class Worker:
         if self.device.type == "cpu":
             fused = getattr(self.model, "fused_decode", None)
             facts["decode_layers"] = (
-                f"one C++ call for all {a.num_hidden_layers} layers in steps of up to {fused.max_rows} bf16 rows "
+                f"one C++ call for all {a.num_hidden_layers} layers of every bf16 step "
                 "(PAGODA_CPU_FUSED_DECODE=0: the per-op forward)" if fused is not None
                 else "the per-op forward (the fused C++ call takes Llama/Mistral/Qwen2 blocks in bf16 with GEMV, "
                      "int4 or int8 linears on an AVX512-BF16 CPU, in one process)"

@@ -310,26 +310,21 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
-# Decode steps of up to this many rows (tokens) take the fused C++ call (`FusedDecodeLayers`):
-# decode batches of 1-8 sequences and speculative verification chunks of 1 + k rows, where
-# a layer's ~10 Python calls cost as much as its arithmetic.
-FUSED_DECODE_MAX_ROWS = 8
-
-
 class FusedDecodeLayers:
-    """A decode step's embedding lookup, every decoder layer and the final norm of its
-    sampling rows (and a plain LM head's logits: `LlamaForCausalLM.decode_logits`) in one
-    C++ call (kernels/cpu_kernels.py `bf16_decode_layers`), for the few bf16 rows the
-    decode linears' small-batch kernels take: the C++ bf16, int4 and int8 kernels on their
-    packed weights.
+    """A step's embedding lookup, every decoder layer and the final norm of its sampling rows
+    (and a plain LM head's logits: `LlamaForCausalLM.decode_logits`) in one C++ call
+    (kernels/cpu_kernels.py `bf16_decode_layers`), on the C++ bf16, int4 and int8 kernels'
+    packed weights: decode batches of any size, speculative verification chunks, prefill
+    chunks and steps that mix them (the name is from when it took decode steps only).
 
-    At batch 1 the bundled model's bf16 step streams ~270 MB of weights, ~8 ms at this
-    project's VM's bandwidth, and the per-op forward adds ~10 Python calls per layer (each
-    a pybind or dispatcher call and new tensor objects): ~30% of the step over 30 layers.
-    The C++ call runs the same kernels in the same order with the same rounding, so its
-    output is bit-identical (tests/engine/test_fused_decode.py); the model's Python stays
-    the reference and runs every other step (prefill, larger batches, float32, tensor
-    parallelism, other quantized layouts).
+    The per-op forward adds ~10 Python calls per layer (each a pybind or dispatcher call and
+    new tensor objects) to what the kernels do: at batch 1 a large share of the bundled
+    model's step, and still a tenth of its 32- and 96-row steps (docs/BENCHMARKS.md, "The
+    fused call at every row count"). The C++ call runs the same kernels in the same order
+    with the same rounding at every row count, so its output is bit-identical
+    (tests/engine/test_fused_decode.py); the model's Python stays the reference and runs the
+    steps the call does not take (float32, tensor parallelism, other quantized layouts,
+    LoRA adapters outside the C++ kernels, `PAGODA_CPU_FUSED_DECODE=0`).
 
     `build` returns None unless every layer is the plain Llama block of this module
     (Llama, Mistral, Qwen2: no q/k norms, a SiLU MLP) whose linears are each a bf16 kernel
@@ -337,9 +332,8 @@ class FusedDecodeLayers:
     the head dim one the C++ attention's bf16 loops take, and the C++ kernels built with
     AVX512-BF16. `PAGODA_CPU_FUSED_DECODE=0` turns it off (the per-op path, for A/B runs)."""
 
-    def __init__(self, model: "LlamaForCausalLM", max_rows: int, batch_invariant: bool = False) -> None:
+    def __init__(self, model: "LlamaForCausalLM", batch_invariant: bool = False) -> None:
         args = model.args
-        self.max_rows = max_rows
         self.batch_invariant = batch_invariant  # attention's route, as the per-op forward's ops take it
         self.num_heads, self.num_kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.scale = args.attention_scale
@@ -411,12 +405,12 @@ class FusedDecodeLayers:
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if not _decode_kernel_runs(linear):
                     return None
-        return cls(model, FUSED_DECODE_MAX_ROWS, batch_invariant)
+        return cls(model, batch_invariant)
 
     def runs(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: KernelOps) -> bool:
-        """Whether this step's layers go through the C++ call: a few rows (tokens) on the C++
+        """Whether this step's layers go through the C++ call: any rows (tokens) on the C++
         kernel backend, over bf16 or int8 (`--kv-cache-dtype int8`) KV caches."""
-        return (ops.backend == "cpu" and 0 < input_ids.shape[0] <= self.max_rows
+        return (ops.backend == "cpu" and input_ids.shape[0] > 0
                 and kv_caches[0][0].dtype in (torch.bfloat16, torch.int8))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -2663,8 +2663,11 @@ struct DecodeLinear {
   // adds the bias in float before its one rounding; after the quantized kernels the bias
   // is a separate bf16 add, as in kernels/quant_linear.py.
   torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor out = torch::empty({x.size(0), out_features()}, x.options());
+    // No rows: a step none of whose rows samples (a prompt's chunk that is not its last) has an
+    // empty head input, and the tiles' few-row path would read rows that are not there.
+    if (x.size(0) == 0) return out;
     if (kind == 0) {
-      torch::Tensor out = torch::empty({x.size(0), out_features()}, x.options());
 #if defined(__AVX512BF16__)
       bf16_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(weight->data_ptr()),
                        bias->numel() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
@@ -2672,7 +2675,6 @@ struct DecodeLinear {
 #endif
       return out;
     }
-    torch::Tensor out = torch::empty({x.size(0), out_features()}, x.options());
 #if defined(__AVX512BF16__)
     if (kind > 0) {
       int4_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), weight->data_ptr<uint8_t>(),

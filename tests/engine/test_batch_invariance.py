@@ -1,7 +1,7 @@
 """Same request, same tokens: with `--batch-invariant`, in bf16 (the CPU default) on the C++
 kernels, a request's greedy and seeded outputs (tokens and every returned logprob, bit for bit) do not depend on what else
 the engine runs: alone or among 1 to 64 other requests, cold or from the prefix cache, its
-prompt prefilled in one chunk or in chunks of 16/64/512 tokens, with speculative decoding on
+prompt prefilled in one chunk or in chunks of 8/16/64/512 tokens, with speculative decoding on
 or off, as sample 0 of n = 4, or recomputed after a preemption.
 
 On the bundled SmolLM2-135M-Instruct and on a tiny random Llama (head dim 64, the head dims the
@@ -141,8 +141,9 @@ def test_cold_vs_prefix_cache_hit(model, kind):
     assert cold == model.reference(kind) and result(hit) == model.reference(kind)
 
 
-@pytest.mark.parametrize("chunk", [16, 64, 512])
+@pytest.mark.parametrize("chunk", [8, 16, 64, 512])
 def test_chunked_prefill(model, chunk, record_schedules):
+    """The prompt in chunks: each but the last is a step none of whose rows samples."""
     if chunk >= len(model.target):
         pytest.skip("the target prompt is shorter than the chunk")
     if chunk not in BUNDLED_CHUNKS:

@@ -12,6 +12,8 @@ the C++ kernels' AVX512-BF16 GEMV; skipped elsewhere.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -98,6 +100,8 @@ BATCHES = {
     "one decode": [(45, 1)],
     "three decodes": [(45, 1), (3, 1), (90, 1)],
     "eight decodes": [(17 + 11 * i, 1) for i in range(8)],
+    "twenty decodes": [(3 + 2 * i, 1) for i in range(20)],  # the many-row tiles (over 4 rows, 11 at a time)
+    "a prefill chunk and decodes": [(80, 48), (30, 1), (12, 1)],  # a prompt's chunk of 48 rows beside them
     "a verification chunk and decodes": [(60, 5), (9, 1), (33, 1)],
 }
 
@@ -126,15 +130,35 @@ def test_fused_decode_layers_equal_the_per_op_forward(arch, quantization, batch)
     assert not torch.equal(other, expected)
 
 
-def test_more_rows_than_the_gemv_takes_run_per_op():
+def test_the_call_takes_steps_of_any_size_on_the_cpu_backend_only():
     model = make_model("llama")
     fused = FusedDecodeLayers.build(model)
     ops = get_ops("cpu", torch.device("cpu"))
-    x = torch.zeros(fused.max_rows + 1, dtype=torch.int64)  # the step's tokens
+    x = torch.zeros(2048, dtype=torch.int64)  # the step's tokens: a full default token budget
     caches = [(torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16),) * 2]
-    assert fused.runs(x[: fused.max_rows], caches, ops)
-    assert not fused.runs(x, caches, ops)
+    assert fused.runs(x[:1], caches, ops) and fused.runs(x, caches, ops)
+    assert not fused.runs(x[:0], caches, ops)
     assert not fused.runs(x[:1], caches, get_ops("torch", torch.device("cpu")))
+    assert not fused.runs(x[:1], [(torch.zeros(1, 1, 1, 1, dtype=torch.float32),) * 2], ops)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"], ids=["bf16-head", "int8-head-of-int4"])
+def test_a_step_none_of_whose_rows_samples_gives_no_logits_and_writes_its_keys(quantization):
+    """A prompt's chunk that is not its last samples no row: the call gets no rows for the
+    head (an empty `logits_indices`) and returns [0, vocab] logits, having written the
+    chunk's keys and values as the per-op forward does (it read rows that were not there
+    and crashed the process)."""
+    model = make_model("llama", quantization=quantization)
+    model.fused_decode = fused = FusedDecodeLayers.build(model)
+    input_ids, positions, caches, meta = make_step(model, [(40, 6)])
+    meta = replace(meta, logits_indices=torch.empty(0, dtype=torch.int64))
+    _, expected_caches = forward(model, None, input_ids, positions, caches, meta)
+    got_caches = [(k.clone(), v.clone()) for k, v in caches]
+    model.fused_decode = fused
+    got = model.decode_logits(input_ids, positions, got_caches, meta, get_ops("cpu", torch.device("cpu")))
+    assert got.dtype == torch.float32 and got.shape == (0, model.args.vocab_size)
+    for (k, v), (ek, ev), (k0, _) in zip(got_caches, expected_caches, caches):
+        assert torch.equal(k, ek) and torch.equal(v, ev) and not torch.equal(k, k0)
 
 
 @pytest.mark.parametrize("arch, dtype, quantization", [
