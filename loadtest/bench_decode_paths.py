@@ -1,5 +1,6 @@
-"""Batch-1 decode step on CPU: the fused decode call against the model's per-op forward,
-alternating in one process, against the read-bandwidth bound measured between rounds.
+"""The decode step on CPU: the fused decode call against the model's per-op forward,
+alternating in one process, against the read-bandwidth bound measured between rounds
+(batch 1), or at `--batch N` rows.
 
     python -m loadtest.bench_decode_paths                        # bf16 (~2 min on 2 idle cores)
     python -m loadtest.bench_decode_paths --quantization int4    # INT4 weights, INT8 LM head
@@ -8,6 +9,7 @@ alternating in one process, against the read-bandwidth bound measured between ro
                                            # also the per-op path with torch's int8 kernel
     python -m loadtest.bench_decode_paths --quantization int4 --torch-int4
                                            # also the per-op path with torch's int4 kernel
+    python -m loadtest.bench_decode_paths --batch 32             # a 32-row step (32 prompts)
 
 The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
 - fused: every decoder layer of the step in one C++ call (the engine's route);
@@ -24,8 +26,11 @@ the variable is set (`OMP_WAIT_POLICY=active` gives torch's int4 kernel its spin
 This VM's memory bandwidth drifts by up to 2x over minutes, so the paths take turns, round
 after round, and the read bandwidth (`bench_offline.measure_read_bandwidth_gbs`) is measured
 at the start of each round. A path's decode step = (T(65 tokens) - T(1 token)) / 64 of one
-greedy prompt (prefill and per-call costs cancel); its median over the rounds is reported
-with the median bound: bytes of weights a step reads (`decode_weight_bytes`) / bandwidth.
+greedy prompt, or of `--batch` different ones at once (prefill and per-call costs cancel);
+its median over the rounds is reported with the median bound: bytes of weights a step reads
+(`decode_weight_bytes`) / bandwidth. The bound is a batch-1 figure: a step of many rows is
+bound by its arithmetic instead (`loadtest.bench_offline` measures that bound), so with
+`--batch` over 1 the table has no bound column.
 """
 
 from __future__ import annotations
@@ -44,13 +49,15 @@ from loadtest.bench_offline import measure_read_bandwidth_gbs
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def step_seconds(llm, sampling_params) -> float:
-    """One decode step: (T(65) - T(1)) / 64 for the same greedy prompt."""
+def step_seconds(llm, sampling_params, batch: int = 1) -> float:
+    """One decode step: (T(65) - T(1)) / 64 for the same greedy prompt, or for `batch`
+    different prompts at once (a step of `batch` rows)."""
     one, full = sampling_params(max_tokens=1), sampling_params(max_tokens=65)
+    prompts = [PROMPT] if batch == 1 else [f"{i}. {PROMPT}" for i in range(batch)]
     t0 = time.perf_counter()
-    llm.generate([PROMPT], one)
+    llm.generate(prompts, one)
     t1 = time.perf_counter()
-    llm.generate([PROMPT], full)
+    llm.generate(prompts, full)
     t2 = time.perf_counter()
     return ((t2 - t1) - (t1 - t0)) / 64
 
@@ -65,7 +72,10 @@ def main() -> None:
     parser.add_argument("--torch-int4", action="store_true", help="also the per-op path with torch's int4 kernel "
                         "(with --quantization int4)")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=1, help="rows per step: this many prompts at once")
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
 
     from engine import LLM, SamplingParams
     import engine.quantization.linears as linears
@@ -106,14 +116,14 @@ def main() -> None:
 
     for path in paths:  # warm-up
         use(path)
-        step_seconds(engine(path), params)
+        step_seconds(engine(path), params, args.batch)
     steps: dict[str, list[float]] = {p: [] for p in paths}
     bandwidths = []
     for r in range(args.rounds):
         bandwidths.append(measure_read_bandwidth_gbs())
         for path in paths:
             use(path)
-            steps[path].append(step_seconds(engine(path), params))
+            steps[path].append(step_seconds(engine(path), params, args.batch))
         print(f"round {r + 1}: read {bandwidths[-1]:.1f} GB/s, "
               + ", ".join(f"{p} {steps[p][-1] * 1e3:.2f} ms" for p in paths), file=sys.stderr, flush=True)
     use("fused")
@@ -122,17 +132,20 @@ def main() -> None:
     bandwidth = statistics.median(bandwidths)
     bound = weight_bytes / (bandwidth * 1e9)
     what = args.quantization or args.dtype
-    print(f"\nBatch-1 decode step, {what}, {torch.get_num_threads()} threads "
+    rows = "Batch-1 decode step" if args.batch == 1 else f"{args.batch}-row decode step"
+    print(f"\n{rows}, {what}, {torch.get_num_threads()} threads "
           f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), {args.rounds} alternating rounds: "
           f"weights read per step {weight_bytes / 1e6:.0f} MB, read bandwidth median {bandwidth:.1f} GB/s "
-          f"(range {min(bandwidths):.1f}-{max(bandwidths):.1f}), bound {bound * 1e3:.2f} ms\n")
-    print("| path | decode step (median) | range | vs fused | fraction of the read bound |")
-    print("|---|---:|---:|---:|---:|")
+          f"(range {min(bandwidths):.1f}-{max(bandwidths):.1f})"
+          + (f", bound {bound * 1e3:.2f} ms\n" if args.batch == 1 else "\n"))
+    bound_column = args.batch == 1  # many rows are bound by their arithmetic, not the weight stream
+    print("| path | decode step (median) | range | vs fused |" + (" fraction of the read bound |" if bound_column else ""))
+    print("|---|---:|---:|---:|" + ("---:|" if bound_column else ""))
     base = statistics.median(steps["fused"])
     for path in paths:
         med = statistics.median(steps[path])
         print(f"| {path} | {med * 1e3:.2f} ms | {min(steps[path]) * 1e3:.2f}-{max(steps[path]) * 1e3:.2f} ms "
-              f"| {med / base:.2f}x | {bound / med:.0%} |")
+              f"| {med / base:.2f}x |" + (f" {bound / med:.0%} |" if bound_column else ""))
 
 
 if __name__ == "__main__":

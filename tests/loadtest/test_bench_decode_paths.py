@@ -24,3 +24,16 @@ def test_bench_decode_paths_reports_both_paths():
     assert len(rows) == 2, out
     assert "| fused | " in rows[0] and "| 1.00x |" in rows[0], out
     assert "weights read per step 269 MB" in out, out  # the bundled model's bf16 decode reads, tied head once
+
+
+@pytest.mark.skipif(not cpu_kernels.bf16_gemv_available(), reason="the fused decode call needs AVX512-BF16")
+def test_bench_decode_paths_times_a_step_of_several_rows():
+    """`--batch 3`: the same two paths on steps of three rows, without the batch-1 read bound."""
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_decode_paths", "--rounds", "1", "--batch", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    assert "3-row decode step, bfloat16" in out, out
+    rows = [line for line in out.splitlines() if line.startswith("| fused |") or line.startswith("| per-op |")]
+    assert len(rows) == 2 and "| 1.00x |" in rows[0], out
+    assert "read bound" not in out and ", bound " not in out, out
