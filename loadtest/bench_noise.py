@@ -33,7 +33,10 @@ random prompt, the same prompts for every server, each token's arrival timed as 
 a measurement longer than `--cap` seconds (a server a neighbour slows a hundredfold) is
 stopped and its rate taken over what it received (marked `capped`). `--rounds` repeats the servers in
 alternating order. Reported: each figure, Pagoda / llama.cpp under the same condition, and
-each condition / quiet for each server.
+each condition / quiet for each server; for bf16 weights also the c=32 workload's FLOP bound
+(its prompts' and decode steps' FLOPs at the bf16 GEMM peak measured before and after the
+servers ran, with no server running: the most tok/s any server could reach here) and each
+server's quiet c=32 figure as a fraction of it.
 
 `--parts limit`: Pagoda under `taskset -c 0` (one CPU in its affinity mask) with its own
 thread choice (the `cpu_threads:` start-up fact is quoted) and with `--cpu-threads 1` by
@@ -305,6 +308,30 @@ def quota_part(model: Path, ns: argparse.Namespace, one, many, warm) -> dict | N
     return out
 
 
+def gemm_peak_gflops() -> float:
+    """The bf16 GEMM rate this machine gives now (2048^3, the better of MKL and oneDNN with
+    a packed weight: bench_offline.measure_matmul_gflops), measured with no server running."""
+    import torch
+
+    from loadtest.bench_offline import measure_matmul_gflops
+
+    return measure_matmul_gflops(2048, 2048, 2048, torch.bfloat16)
+
+
+def flop_bound(model: Path, many, peaks: list[float]) -> dict:
+    """The c=N workload's least time on this machine: its FLOPs (every request's prompt and
+    decode steps, bench_offline.request_flops) at the best bf16 GEMM rate measured before and
+    after the servers ran; as output tokens / that time, the most tok/s any server could
+    reach here (the steps of 32 rows are bound by their arithmetic, not the weight stream)."""
+    from loadtest.bench_offline import model_size, request_flops
+
+    size = model_size(model)
+    flops = sum(request_flops(size, req.prompt_len or 0, req.max_tokens) for req in many)
+    peak = max(peaks)
+    return {"gemm_gflops": [round(p, 1) for p in peaks], "tflops": round(flops / 1e12, 3),
+            "tok_s": round(sum(req.max_tokens for req in many) / (flops / (peak * 1e9)), 1)}
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
@@ -368,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             per_model: dict = {"model": str(model), "weights": weights, "gguf": str(gguf) if gguf else None,
                                "rounds": []}
             if "peers" in ns.parts:
+                peaks = [gemm_peak_gflops()] if weights == "bf16" else []
                 for r in range(ns.rounds):
                     order = ns.servers if r % 2 == 0 else list(reversed(ns.servers))
                     got = {}
@@ -378,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         got[name] = run_server(s, ns, one, many, warm, ns.out / "logs", ns.noise)
                     per_model["rounds"].append(got)
+                if peaks:
+                    peaks.append(gemm_peak_gflops())
+                    per_model["flop_bound"] = flop_bound(model, many, peaks)
             if "limit" in ns.parts and weights == "bf16":
                 def cpu0(command: list[str]) -> list[str]:
                     return ["taskset", "-c", "0", *command]
@@ -414,6 +445,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"{noise}: c=1 ITL {ratio(got['pagoda'][noise]['c1_itl_ms'], got[other][noise]['c1_itl_ms'])}, "
                         f"c={n} {ratio(got['pagoda'][noise][f'c{n}_tok_s'], got[other][noise][f'c{n}_tok_s'])}"
                         for noise in ns.noise))
+        if per_model.get("flop_bound") and per_model["rounds"]:
+            b = per_model["flop_bound"]
+            quiet = [(name, got[name]["none"][f"c{n}_tok_s"]) for got in per_model["rounds"] for name in got
+                     if "none" in got[name]]
+            print(f"\n{model_name}: c={n} FLOP bound {b['tok_s']} tok/s ({b['tflops']} TFLOP of prompts and decode "
+                  f"steps at the bf16 GEMM peak measured before / after the servers, "
+                  f"{' / '.join(str(g) for g in b['gemm_gflops'])} GFLOP/s); quiet c={n} as a fraction of it: "
+                  + ", ".join(f"{name} {tok / b['tok_s']:.0%}" for name, tok in quiet))
         if "limit" in per_model:
             lim = per_model["limit"]
             a, h = lim["auto"]["none"], lim["cpu_threads_1"]["none"]

@@ -186,6 +186,9 @@ class ModelSize:
     num_layers: int
     num_heads: int
     head_dim: int
+    head_params: int = 0
+    """The LM head's weights (vocabulary x hidden): in `matmul_params`, but a prompt runs it
+    on its last row only."""
 
 
 def model_size(path: Path) -> ModelSize:
@@ -222,6 +225,7 @@ def model_size(path: Path) -> ModelSize:
         num_layers=config["num_hidden_layers"],
         num_heads=heads,
         head_dim=config.get("head_dim") or hidden // heads,
+        head_params=config["vocab_size"] * hidden,
     )
 
 
@@ -239,6 +243,18 @@ def decode_flops(size: ModelSize, prompt_lens: list[int], max_tokens: int) -> fl
         for j in range(1, max_tokens):
             total += 2 * size.matmul_params + attn_per_key * (p + j)
     return total
+
+
+def request_flops(size: ModelSize, prompt_len: int, max_tokens: int) -> float:
+    """FLOPs of one request from its prompt to its last token: the prompt's rows through
+    every layer (2 per weight per row; causal attention over the prompt, 4 * layers * heads *
+    head_dim per key) with the LM head on its last row only, then its `max_tokens` - 1
+    decode steps (`decode_flops`). At a measured GEMM rate, a workload's FLOPs / that rate
+    is the least time any server needs for it on this machine."""
+    body = size.matmul_params - size.head_params
+    attn_per_key = 4 * size.num_layers * size.num_heads * size.head_dim
+    prefill = 2 * body * prompt_len + 2 * size.head_params + attn_per_key * prompt_len * (prompt_len + 1) / 2
+    return prefill + decode_flops(size, [prompt_len], max_tokens)
 
 
 # ----------------------------------------------------------------------------- pagoda

@@ -36,3 +36,19 @@ def test_bench_noise_quick_reports_quiet_and_noisy_figures(tiny_model_path, tmp_
         # text back, so chunks with text can be fewer than the 4 x 8 tokens.
         assert 0 < m["c4"]["output_tokens"] <= 4 * 8, m
     assert _busy_loops() <= before  # the neighbour was stopped
+    # The c=4 workload's FLOP bound at the GEMM peak measured before and after the servers.
+    bound = result["bundled"]["flop_bound"]
+    assert len(bound["gemm_gflops"]) == 2 and min(bound["gemm_gflops"]) > 0, bound
+    assert bound["tok_s"] > result["bundled"]["rounds"][0]["pagoda"]["none"]["c4_tok_s"], bound
+    assert "bundled: c=4 FLOP bound" in out.stdout and "pagoda " in out.stdout.split("FLOP bound")[1], out.stdout
+
+
+def test_a_request_counts_its_prompt_rows_once_and_the_head_on_its_last_row_only():
+    """bench_offline.request_flops, by hand on a model of 100 matmul weights (10 of them the
+    head), one layer, one head of dim 1: a 2-token prompt is 2 x 90 x 2 for the layers, 2 x 10
+    for the head on its last row and 4 x (1 + 2) for causal attention = 392; its 2 decode steps
+    (3 tokens in all) 2 x 100 + 4 x 3 and 2 x 100 + 4 x 4 = 428."""
+    from loadtest.bench_offline import ModelSize, request_flops
+
+    size = ModelSize(num_params=100, matmul_params=100, num_layers=1, num_heads=1, head_dim=1, head_params=10)
+    assert request_flops(size, 2, 3) == 392 + 428
