@@ -38,7 +38,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        # The ids a skipping decode leaves out, taken once per request: the tokenizer's
+        # `convert_ids_to_tokens(..., skip_special_tokens=True)` rebuilds this set from the
+        # special tokens' strings at every call, every step of every request.
+        self._skipped_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         # An empty stop string would match before any text; the server rejects it, and
         # here it is simply never a stop.
         self._stop = [s for s in stop if s]
@@ -148,9 +151,12 @@ class IncrementalDetokenizer:
         return longest
 
     def _convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
-        return self._tokenizer.convert_ids_to_tokens(
-            token_ids, skip_special_tokens=self._skip_special_tokens
-        )
+        """The ids' token strings, special tokens left out where the request skips them (as
+        the tokenizer's own `skip_special_tokens=True` does, with the set taken once)."""
+        skipped = self._skipped_ids
+        if skipped:
+            token_ids = [i for i in token_ids if i not in skipped]
+        return self._tokenizer.convert_ids_to_tokens(token_ids)
 
     def _convert_tokens_to_string(self, tokens: list[str]) -> str:
         return self._tokenizer.convert_tokens_to_string(tokens) if tokens else ""

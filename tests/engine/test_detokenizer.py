@@ -207,14 +207,23 @@ def test_update_after_stop_changes_nothing(tokenizer: Any, prompt_ids: list[int]
 
 
 class CountingTokenizer:
-    """Wraps a tokenizer and records how many tokens each decode call was given."""
+    """Wraps a tokenizer and records how many tokens each decode call was given, and how
+    often its special ids were asked for (the tokenizer rebuilds them at every ask)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self.decoded_lengths: list[int] = []
+        self.special_id_asks = 0
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        self.special_id_asks += 1
+        return self._tokenizer.all_special_ids
 
     def convert_ids_to_tokens(self, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
-        return self._tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+        # As transformers' tokenizers do it: the special ids asked for at every skipping call.
+        skipped = set(self.all_special_ids) if skip_special_tokens else set()
+        return self._tokenizer.convert_ids_to_tokens([i for i in ids if i not in skipped])
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         self.decoded_lengths.append(len(tokens))
@@ -232,6 +241,7 @@ def test_each_update_decodes_a_bounded_window(tokenizer: Any, prompt_ids: list[i
     assert len(output_ids) > 500
     assert max(counting.decoded_lengths) <= 10
     assert "".join(deltas) == detokenizer.output_text == text
+    assert counting.special_id_asks <= 1  # once per request, not once per token
 
 
 def test_several_tokens_per_update(tokenizer: Any, prompt_ids: list[int]) -> None:
