@@ -319,7 +319,7 @@ class FusedDecodeLayers:
 
     The per-op forward adds ~10 Python calls per layer (each a pybind or dispatcher call and
     new tensor objects) to what the kernels do: at batch 1 a large share of the bundled
-    model's step, and still a tenth of its 32- and 96-row steps (docs/BENCHMARKS.md, "The
+    model's step, and still 10-15% of its 32- and 96-row steps (docs/BENCHMARKS.md, "The
     fused call at every row count"). The C++ call runs the same kernels in the same order
     with the same rounding at every row count, so its output is bit-identical
     (tests/engine/test_fused_decode.py); the model's Python stays the reference and runs the
