@@ -32,6 +32,7 @@
 #include <cstring>
 #include <limits>
 
+#include <type_traits>
 #include <vector>
 
 #include "work_pool.h"
@@ -1907,35 +1908,31 @@ inline void linear_tile(const uint16_t* __restrict x, int64_t ldx, const T* __re
     for (int g = 0; g < G; ++g) store_group(acc[m][2 * g], acc[m][2 * g + 1], bias, scale, y + m * N, n0 + g * kGroup, N);
 }
 
+// Calls f(std::integral_constant<int, R>{}) with R = mb for mb in 1..Max (Max for more): the
+// tiles take their height as a template argument, so their accumulators stay in registers.
+template <int Max, typename F>
+inline void with_tile_rows(int64_t mb, const F& f) {
+  if constexpr (Max > 1) {
+    if (mb < Max) {
+      with_tile_rows<Max - 1>(mb, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
 // x rows [0, mb) (mb in 1..11) against one group.
 template <typename T>
 inline void linear_rows(int64_t mb, const uint16_t* x, int64_t ldx, const T* pg, const uint16_t* bias,
                         const uint16_t* scale, uint16_t* y, int64_t K, int64_t N, int64_t n0) {
-  switch (mb) {
-    case 1: linear_tile<1, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 2: linear_tile<2, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 3: linear_tile<3, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 4: linear_tile<4, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 5: linear_tile<5, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 6: linear_tile<6, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 7: linear_tile<7, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 8: linear_tile<8, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 9: linear_tile<9, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 10: linear_tile<10, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    default: linear_tile<11, 1>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-  }
+  with_tile_rows<11>(mb, [&](auto rows) { linear_tile<decltype(rows)::value, 1>(x, ldx, pg, bias, scale, y, K, N, n0); });
 }
 
 // x rows [0, mb) (mb in 1..4) against two adjacent groups: four chains per row.
 template <typename T>
 inline void linear_rows_two_groups(int64_t mb, const uint16_t* x, int64_t ldx, const T* pg, const uint16_t* bias,
                                    const uint16_t* scale, uint16_t* y, int64_t K, int64_t N, int64_t n0) {
-  switch (mb) {
-    case 1: linear_tile<1, 2>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 2: linear_tile<2, 2>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    case 3: linear_tile<3, 2>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-    default: linear_tile<4, 2>(x, ldx, pg, bias, scale, y, K, N, n0); break;
-  }
+  with_tile_rows<4>(mb, [&](auto rows) { linear_tile<decltype(rows)::value, 2>(x, ldx, pg, bias, scale, y, K, N, n0); });
 }
 
 constexpr int64_t kTileRows = 11;            // x rows per register tile (22 accumulators)
@@ -2151,14 +2148,7 @@ inline void int4_tile(const uint16_t* __restrict x, const float* __restrict xs, 
 // x rows [0, mb) (mb in 1..6) against one group of 32 outputs.
 inline void int4_rows(int64_t mb, const uint16_t* x, const float* xs, const uint8_t* pg, int64_t gs, uint16_t* y,
                       int64_t K, int64_t N, int64_t n0, int64_t gk) {
-  switch (mb) {
-    case 1: int4_tile<1, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
-    case 2: int4_tile<2, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
-    case 3: int4_tile<3, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
-    case 4: int4_tile<4, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
-    case 5: int4_tile<5, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
-    default: int4_tile<6, 1>(x, xs, pg, gs, y, K, N, n0, gk); break;
-  }
+  with_tile_rows<6>(mb, [&](auto rows) { int4_tile<decltype(rows)::value, 1>(x, xs, pg, gs, y, K, N, n0, gk); });
 }
 
 // Each x row's sums over its input groups of gk, in float32 in one fixed order (16 lanes,
