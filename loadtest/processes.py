@@ -50,8 +50,8 @@ class Process:
     `env` is added to this process's environment, less the variables named in `drop_env`
     (the tests drop PAGODA_API_KEY: a server's key comes from its flags only, never from the
     environment of whoever runs them) and less the OMP_WAIT_POLICY loadtest/__init__.py set
-    for this process's own engines (a peer keeps its OpenMP default: passive made
-    llama-server's bundled-model ITL ~2.5x). `stop()` sends SIGTERM to the process, or with
+    for this process's own engines (a peer keeps its OpenMP default: what passive did to
+    llama-server is in docs/BENCHMARKS.md, "A benchmark fix on the way"). `stop()` sends SIGTERM to the process, or with
     `signal_group` to its whole session (a server that does not end its own children),
     and SIGKILL to the session after `stop_timeout_s`.
     """
