@@ -12,6 +12,7 @@ from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.prompt_logprobs import PromptLogprobRows
 from engine.request import Request
+from engine.sampler import argmax_suffices
 from engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class ModelRunner:
         prompt_rows: list[tuple[Request, int, int]] = []
         tables: list[list[int]] = []
         spec_tokens = sched.spec_tokens
+        argmax_only = True  # every sampling row greedy with nothing but its argmax read
         for request, n in zip(sched.scheduled, sched.num_scheduled_tokens):
             start = request.num_computed_tokens
             end = start + n
@@ -84,8 +86,10 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
             if drafts:
                 logits_indices.extend(range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1]))
+                argmax_only = argmax_only and argmax_suffices(request)
             elif end == request.num_tokens:
                 logits_indices.append(query_start_loc[-1] - 1)
+                argmax_only = argmax_only and argmax_suffices(request)
             if request.prompt_logprobs is not None:
                 # Position p predicts token p + 1; recomputed positions (after preemption) are skipped.
                 first = max(start, len(request.prompt_logprobs) - 1)
@@ -102,6 +106,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(logits_indices + [row for _, row, _ in prompt_rows], dtype=torch.int64, device=dev),
+            argmax_only=argmax_only and bool(logits_indices) and not prompt_rows,
         )
         self.prompt_rows = [(request, target) for request, _, target in prompt_rows]
         self.prompt_logprobs = PromptLogprobRows.of(

@@ -265,6 +265,16 @@ class _DeviceLogprobs:
         return out
 
 
+def argmax_suffices(request: Request) -> bool:
+    """Whether the sampler reads nothing of this request's logits but their argmax: a greedy
+    row with no logprobs, penalties, bias, min_tokens mask, grammar or beam search. A step
+    whose rows are all such may take the LM head's argmax route (`AttentionMetadata.argmax_only`),
+    whose logits are exact only where a token can be the argmax (-inf elsewhere)."""
+    p = request.sampling_params
+    return (p.is_greedy and p.logprobs is None and not _needs_processing(request)
+            and request.grammar is None and request.beam_search is None)
+
+
 def _needs_processing(request: Request) -> bool:
     p = request.sampling_params
     return (

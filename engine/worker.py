@@ -277,7 +277,14 @@ class Worker:
         if isinstance(head, Int8Linear):
             return "int8 weight-only, per output channel (W8A16)"
         if isinstance(head, Linear):
-            return str(self.dtype).removeprefix("torch.")
+            fused = getattr(self.model, "fused_decode", None)
+            copy = fused.argmax_head if fused is not None else None
+            if copy is None:
+                return str(self.dtype).removeprefix("torch.")
+            size = sum(t.numel() * t.element_size() for t in copy) / 2**20
+            return (f"{str(self.dtype).removeprefix('torch.')}; greedy steps of 1-4 rows read an int8 copy first "
+                    f"({size:.0f} MiB) and the exact head only where the argmax can be: the same tokens "
+                    f"(PAGODA_CPU_GREEDY_HEAD=0: off)")
         return type(head).__name__
 
     def _dtype_fact(self) -> str:

@@ -252,7 +252,7 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int,
                        scale: float, eps: float, final_norm: torch.Tensor, out_rows: torch.Tensor,
                        lm_head: torch.Tensor | None = None, lm_head_scales: torch.Tensor | None = None,
-                       invariant: bool = False,
+                       invariant: bool = False, argmax_head: list[torch.Tensor] | None = None,
                        lora: list[torch.Tensor] | None = None, lora_rows: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's Llama-style decoder layers for a few bf16 rows in one call
     (csrc/cpu_kernels.cpp `bf16_decode_layers`): the tokens `input_ids` (int64 [M]) looked
@@ -276,7 +276,10 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
     logits instead: float32 [R, vocab], each the bf16 the head's kernel rounds it to (as
     `bf16_linear(hidden, lm_head).float()`); with `lm_head_scales` too (bf16 [vocab]) the head
     is int8 packed by `pack_int8_weight` (an `Int8Linear`'s copy: `int8_linear(hidden, lm_head,
-    lm_head_scales).float()`). `invariant`: attention on `paged_attention`'s
+    lm_head_scales).float()`). `argmax_head`: the bf16 head's int8 copy
+    (kernels/greedy_head.py `greedy_head_copy`) for a step whose rows only take their argmax:
+    with at most 4 rows the logits are `argmax_head_logits`' (exact where a token can be
+    the argmax, -inf elsewhere). `invariant`: attention on `paged_attention`'s
     batch-invariant route (as the per-op forward with the same setting; an int8 cache always).
     `lora`, `lora_rows`: a step with LoRA rows (engine/lora.py `LoraManager.fused_tensors`):
     a, bt, offsets per linear and layer, and each row's adapter group; each linear's deltas
@@ -288,7 +291,8 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
                                      num_kv_heads, scale, eps, q_chunk, FEW_ROWS,
                                      0 if invariant else BLOCK_MIN_ROWS, KEY_PART if invariant else 0, final_norm,
                                      out_rows, lm_head if lm_head is not None else _EMPTY_BF16,
-                                     lm_head_scales if lm_head_scales is not None else _EMPTY_BF16, lora or [],
+                                     lm_head_scales if lm_head_scales is not None else _EMPTY_BF16,
+                                     argmax_head or [], lora or [],
                                      lora_rows if lora_rows is not None else _EMPTY_ROWS)
 
 
@@ -312,6 +316,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     activation (vectorised, each product rounded as the eager ops round). Only where
     `bf16_gemv_available()`."""
     return load().silu_mul(gate_up)
+
+
+def argmax_head_logits(x: torch.Tensor, head: torch.Tensor, argmax_head: list[torch.Tensor]) -> torch.Tensor:
+    """The float32 logits [R, V] a greedy row needs of x [R, K] (bf16) through the head
+    `head` (packed by `pack_bf16_weight`) and its int8 copy `argmax_head`
+    (kernels/greedy_head.py `greedy_head_copy`): the exact logits (`bf16_linear(x,
+    head).float()`'s bits) of every 32-token group that holds a token that can be the row's
+    argmax, -inf elsewhere, so `argmax` of them is the whole head's (csrc/cpu_kernels.cpp
+    `argmax_head_logits_impl`, which the fused decode call runs for greedy steps). Only
+    where `bf16_gemv_available()`."""
+    return load().argmax_head_logits(x, head, argmax_head)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,11 @@ alternating in one process, against the read-bandwidth bound measured between ro
     python -m loadtest.bench_decode_paths --batch 32             # a 32-row step (32 prompts)
 
 The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
-- fused: every decoder layer of the step in one C++ call (the engine's route);
+- fused: every decoder layer of the step in one C++ call (the engine's route), with the
+  greedy LM head (kernels/greedy_head.py: the head's int8 copy first, its bf16 rows only
+  where the argmax can be) where the model has it;
+- fused, whole head: the same without the greedy head (`PAGODA_CPU_GREEDY_HEAD=0`): every
+  step reads the whole bf16 head;
 - per-op: the model's Python forward, one kernel call per op (`PAGODA_CPU_FUSED_DECODE=0`);
 - per-op, torch int8 (`--int8-gemv`): also W8A16 through torch's `_weight_int8pack_mm`
   instead of Pagoda's int8 kernel (each `Int8Linear`'s packed copy set aside);
@@ -28,7 +32,8 @@ after round, and the read bandwidth (`bench_offline.measure_read_bandwidth_gbs`)
 at the start of each round. A path's decode step = (T(65 tokens) - T(1 token)) / 64 of one
 greedy prompt, or of `--batch` different ones at once (prefill and per-call costs cancel);
 its median over the rounds is reported with the median bound: bytes of weights a step reads
-(`decode_weight_bytes`) / bandwidth. The bound is a batch-1 figure: a step of many rows is
+(`decode_weight_bytes`; with the greedy head its int8 copy in place of the bf16 head: the
+few 32-token groups it computes exactly are left out) / bandwidth. The bound is a batch-1 figure: a step of many rows is
 bound by its arithmetic instead (`loadtest.bench_offline` measures that bound), so with
 `--batch` over 1 the table has no bound column.
 """
@@ -99,13 +104,16 @@ def main() -> None:
     if fused is None:
         sys.exit("the fused decode call does not run for this model here (the start-up log's decode_layers line says why)")
     int8_linears = {m: m.kernel_weight for m in model.modules() if isinstance(m, Int8Linear)}
+    greedy_head = fused.argmax_head
 
     def use(path: str) -> None:
-        model.fused_decode = fused if path == "fused" else None
+        model.fused_decode = fused if path.startswith("fused") else None
+        fused.argmax_head = greedy_head if path == "fused" else None
         for linear, packed in int8_linears.items():
             linear.kernel_weight = None if path == "per-op, torch int8" else packed
 
-    paths = (["fused", "per-op"] + (["per-op, torch int8"] if args.int8_gemv else [])
+    paths = (["fused"] + (["fused, whole head"] if greedy_head is not None and args.batch <= 4 else []) + ["per-op"]
+             + (["per-op, torch int8"] if args.int8_gemv else [])
              + (["per-op, torch int4"] if torch_int4 else []))
 
     def engine(path: str):
@@ -129,13 +137,19 @@ def main() -> None:
     use("fused")
 
     weight_bytes = decode_weight_bytes(model)
+    path_bytes = {p: weight_bytes for p in paths}
+    if greedy_head is not None:  # the int8 copy read in place of the bf16 head (batch 1: the route's rows)
+        head = fused.lm_head.untyped_storage().nbytes()
+        path_bytes["fused"] = weight_bytes - head + sum(t.untyped_storage().nbytes() for t in greedy_head)
     bandwidth = statistics.median(bandwidths)
     bound = weight_bytes / (bandwidth * 1e9)
     what = args.quantization or args.dtype
     rows = "Batch-1 decode step" if args.batch == 1 else f"{args.batch}-row decode step"
     print(f"\n{rows}, {what}, {torch.get_num_threads()} threads "
           f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), {args.rounds} alternating rounds: "
-          f"weights read per step {weight_bytes / 1e6:.0f} MB, read bandwidth median {bandwidth:.1f} GB/s "
+          f"weights read per step {weight_bytes / 1e6:.0f} MB"
+          + (f" ({path_bytes['fused'] / 1e6:.0f} MB with the greedy head)" if path_bytes["fused"] != weight_bytes else "")
+          + f", read bandwidth median {bandwidth:.1f} GB/s "
           f"(range {min(bandwidths):.1f}-{max(bandwidths):.1f})"
           + (f", bound {bound * 1e3:.2f} ms\n" if args.batch == 1 else "\n"))
     bound_column = args.batch == 1  # many rows are bound by their arithmetic, not the weight stream
@@ -145,7 +159,7 @@ def main() -> None:
     for path in paths:
         med = statistics.median(steps[path])
         print(f"| {path} | {med * 1e3:.2f} ms | {min(steps[path]) * 1e3:.2f}-{max(steps[path]) * 1e3:.2f} ms "
-              f"| {med / base:.2f}x |" + (f" {bound / med:.0%} |" if bound_column else ""))
+              f"| {med / base:.2f}x |" + (f" {path_bytes[path] / (bandwidth * 1e9) / med:.0%} |" if bound_column else ""))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ against llama.cpp on a Q8_0 GGUF (the converter's `--outtype q8_0`), and `int4` 
 
 Servers, one at a time (each stopped, its whole process group, before the next starts):
 `pagoda` (bf16), `pagoda-openmp` (the same with PAGODA_CPU_LOOPS=openmp: the kernels' loops
-on OpenMP's fork-join team, as before the work pool; for the A/B) and `llama.cpp`
+on OpenMP's fork-join team, as before the work pool; for the A/B), `pagoda-whole-head` (the
+same with PAGODA_CPU_GREEDY_HEAD=0: greedy steps read the whole bf16 LM head, not its int8
+copy first; kernels/greedy_head.py) and `llama.cpp`
 (`llama-server -t CPUS -tb CPUS -np 32 --cont-batching`). Each server is warmed up, then
 for each `--noise` condition in turn: the neighbour is started (none; a busy loop at nice 0;
 at nice 19), and measured with it are
@@ -191,15 +193,22 @@ class Neighbour:
             self.proc.wait()
 
 
+PAGODA_VARIANTS = {
+    "pagoda-openmp": {"PAGODA_CPU_LOOPS": "openmp"},  # the kernels' loops on OpenMP's team, not the work pool
+    "pagoda-whole-head": {"PAGODA_CPU_GREEDY_HEAD": "0"},  # every step reads the whole bf16 LM head
+}
+"""Pagoda with one thing turned off, for A/B runs against `pagoda` (the environment each sets)."""
+
+
 def server_spec(name: str, model: Path, gguf: Path, ns: argparse.Namespace, weights: str = "bf16") -> ServerSpec | Skipped:
     cpus = len(os.sched_getaffinity(0))
     method = WEIGHTS[weights][0]
     pagoda_args = shlex.split(ns.pagoda_args) + (["--quantization", method] if method else [])
     if name == "pagoda":
         return pagoda_spec(model, "bfloat16", pagoda_args)
-    if name == "pagoda-openmp":
+    if name in PAGODA_VARIANTS:
         spec = pagoda_spec(model, "bfloat16", pagoda_args)
-        spec.name, spec.env = "pagoda-openmp", {"PAGODA_CPU_LOOPS": "openmp"}
+        spec.name, spec.env = name, dict(PAGODA_VARIANTS[name])
         return spec
     if name == "llama.cpp":
         return llama_server_spec(gguf, ns.llama_server, threads=cpus, parallel=ns.streams,
@@ -343,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke run: 8-token outputs, 4 streams, 2 requests "
                     "at c=1 (tests use it)")
     ap.add_argument("--servers", nargs="+", default=["pagoda", "llama.cpp"],
-                    choices=["pagoda", "pagoda-openmp", "llama.cpp"])
+                    choices=["pagoda", *PAGODA_VARIANTS, "llama.cpp"])
     ap.add_argument("--noise", nargs="+", default=["none", "nice0", "nice19"], choices=list(NOISE))
     ap.add_argument("--parts", nargs="+", default=["peers"], choices=["peers", "limit", "quota"])
     ap.add_argument("--weights", nargs="+", default=["bf16"], choices=list(WEIGHTS),

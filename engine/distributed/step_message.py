@@ -7,7 +7,7 @@ goes over the CPU control group, so an idle worker can wait for it without a dea
 the payload goes over the model's group and stays on the device (NCCL on GPU, no host
 copy of the batch).
 
-    header  = [kind, num_tokens, num_seqs, max_blocks_per_seq, num_logits, num_copies, 0, 0]
+    header  = [kind, num_tokens, num_seqs, max_blocks_per_seq, num_logits, num_copies, argmax_only, 0]
     payload = input_ids[T] | positions[T] | slot_mapping[T] | block_tables[S * B] |
               seq_lens[S] | query_start_loc[S + 1] | logits_indices[L] | blocks_to_copy[C * 2]
 """
@@ -45,8 +45,9 @@ def encode_header(kind: MessageKind, step: StepInputs | None = None) -> torch.Te
     if step is not None:
         num_seqs, max_blocks = step.meta.block_tables.shape
         num_copies = 0 if step.blocks_to_copy is None else step.blocks_to_copy.shape[0]
-        header[1:6] = torch.tensor(
-            [step.input_ids.shape[0], num_seqs, max_blocks, step.meta.logits_indices.shape[0], num_copies]
+        header[1:7] = torch.tensor(
+            [step.input_ids.shape[0], num_seqs, max_blocks, step.meta.logits_indices.shape[0], num_copies,
+             int(step.meta.argmax_only)]
         )
     return header
 
@@ -83,5 +84,6 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
         seq_lens=seq_lens.to(torch.int32),
         query_start_loc=qsl.to(torch.int32),
         logits_indices=logits_idx,
+        argmax_only=bool(header[6]),
     )
     return StepInputs(ids, pos, meta, copies.view(num_copies, 2) if num_copies else None)

@@ -365,6 +365,14 @@ class FusedDecodeLayers:
                       and head.bias is None and model.args.final_logit_softcapping is None)
         self.lm_head: torch.Tensor | None = head.kernel_weight if plain_head else None
         self.lm_head_scales: torch.Tensor | None = head.scales if plain_head and int8_head else None
+        # A bf16 head's int8 copy for steps whose rows only take their argmax
+        # (`AttentionMetadata.argmax_only`): the head read at about half its bytes, the same
+        # tokens (kernels/greedy_head.py). PAGODA_CPU_GREEDY_HEAD=0: the whole head always (A/B).
+        self.argmax_head: list[torch.Tensor] | None = None
+        if self.lm_head is not None and not int8_head and os.environ.get("PAGODA_CPU_GREEDY_HEAD", "1") != "0":
+            from kernels.greedy_head import greedy_head_copy
+
+            self.argmax_head = greedy_head_copy(self.lm_head)
         self.rope = model.rope
 
     def _add_linear(self, linear: nn.Module) -> None:
@@ -421,7 +429,9 @@ class FusedDecodeLayers:
         every layer, then the model's final norm of those rows (as
         `LlamaForCausalLM.final_norm` computes it on this backend), in the one call. With
         `logits` (only where `self.lm_head` is set) their float32 logits instead: the head's
-        bf16 outputs widened, as the sampler widens the per-op head's."""
+        bf16 outputs widened, as the sampler widens the per-op head's; on a step of at most
+        4 rows with `meta.argmax_only`, exact only where a token can be a row's argmax and
+        -inf elsewhere (`self.argmax_head`)."""
         caches = [c for pair in kv_caches for c in pair]
         return cpu_kernels.bf16_decode_layers(
             input_ids.contiguous(), self.embedding, self.tensors, self.kinds, caches, self.windows,
@@ -429,6 +439,7 @@ class FusedDecodeLayers:
             meta.query_start_loc, self.num_heads, self.num_kv_heads, self.scale, self.eps, self.final_norm,
             meta.logits_indices, self.lm_head if logits else None,
             lm_head_scales=self.lm_head_scales if logits else None, invariant=self.batch_invariant,
+            argmax_head=self.argmax_head if logits and meta.argmax_only else None,
             lora=lora[0] if lora else None, lora_rows=lora[1] if lora else None,
         )
 

@@ -2037,6 +2037,110 @@ void int8_linear_impl(const uint16_t* x, const int8_t* packed, const uint16_t* s
   packed_linear_impl(x, packed, nullptr, scale, y, M, K, N);
 }
 
+// ---- The LM head of a greedy step: exact logits only where the argmax can be ----------------
+// At a decode step of a row or a few the LM head is a large share of the weight bytes read
+// (the bundled model's 49,152 x 576 bf16, 57 MB of ~270), and a greedy row with nothing else
+// asked of its logits (no logprobs, penalties, bias, grammar) needs only their argmax. With
+// an int8 copy of the head (kernels/greedy_head.py: per output row n, q = round(w / s_n) with
+// s_n >= max |w| / 127 in bf16, and e_n = max |w - s_n q| measured when the copy is made),
+// the int8 kernel's logit a_n = bf16(chain(x q) s_n) of every token differs from the one the
+// head's own kernel gives, E_n = bf16(chain(x w)), by at most
+//     B_n = 1.02 (Q_n + 2^-7 (|a_n| + Q_n)) + 1e-30,   Q_n = 1.001 |x|_1 (e_n + 254 s_n K 2^-24):
+// e_n |x|_1 bounds the quantization's part; each float32 chain of K products rounds at most
+// K times by 2^-24 of a sum bounded by 127 s_n |x|_1 (|w| <= 127 s_n too); each bf16
+// rounding moves a value by at most 2^-8 of it; the factors leave room for the rounding of
+// the bound's own arithmetic. A token with a_n + B_n < L = max_m (a_m - B_m) therefore has
+// E_n < E_m for the m that attains L: it is not the argmax, nor tied with it. The exact logits
+// of the 32-token groups holding the others are computed by the head's own tiles (the same
+// bits as the whole head: which tile computes an output never changes its arithmetic), every
+// other logit is -inf, and the row's argmax (first index of its maximum) is the whole head's.
+// The head is then read at half its bytes plus the groups in the race (a few, where a token
+// stands out as a trained model's usually does; every group where all tie). A row whose
+// approximate logits are not all finite takes the whole head (its NaN and infinities as
+// the head gives them).
+constexpr int64_t kArgmaxHeadRows = 4;  // up to this many rows (a weight stream: bytes bound the head)
+
+inline float argmax_head_bound(float a, float q) { return 1.02f * (q + 0x1p-7f * (std::fabs(a) + q)) + 1e-30f; }
+
+// logits [R, V] float32 of the rows x [R, K] bf16 (see above): `head` packed bf16, `q8` its
+// int8 copy packed by pack_int8_weight with bf16 row scales `scales` and float32 `errors`.
+void argmax_head_logits_impl(const uint16_t* x, int64_t R, int64_t K, const uint16_t* head, const int8_t* q8,
+                             const uint16_t* scales, const float* errors, int64_t V, float* logits) {
+  if (R <= 0) return;  // a step with no sampled row (a prefill chunk short of its prompt's end)
+  const int64_t groups = (V + kGroup - 1) / kGroup, group_stride = (K + 1) / 2 * kPairLine;
+  // The caller's buffers, by pointer: a thread_local named inside the loops' bodies would be
+  // each worker's own.
+  thread_local std::vector<uint16_t> approx_buffer, exact_buffer;
+  thread_local std::vector<uint8_t> race_buffer;
+  approx_buffer.resize(R * V);
+  exact_buffer.resize(V);
+  race_buffer.resize(groups);
+  uint16_t* const approx = approx_buffer.data();
+  uint16_t* const exact = exact_buffer.data();
+  uint8_t* const in_race = race_buffer.data();
+  int8_linear_impl(x, q8, scales, approx, R, K, V);
+  const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(64, groups / 8));
+  for (int64_t r = 0; r < R; ++r) {
+    const uint16_t* xr = x + r * K;
+    const uint16_t* a = approx + r * V;
+    float* out = logits + r * V;
+    double x1 = 0.0;
+    for (int64_t k = 0; k < K; ++k) x1 += std::fabs(bf16_to_float_bits(xr[k]));
+    const float chain = static_cast<float>(254.0 * static_cast<double>(K) * 0x1p-24);
+    auto q_of = [&](int64_t n) {
+      return 1.001f * static_cast<float>(x1) * (errors[n] + chain * bf16_to_float_bits(scales[n]));
+    };
+    // The largest lower bound, a piece of the vocabulary per chunk; -inf on a value that is
+    // not finite (the row then takes the whole head).
+    std::vector<float> piece_max(pieces, -std::numeric_limits<float>::infinity());
+    std::atomic<bool> finite{std::isfinite(x1)};
+    parallel_chunks(pieces, [&](int64_t c) {
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t n = V * c / pieces; n < V * (c + 1) / pieces; ++n) {
+        const float an = bf16_to_float_bits(a[n]);
+        if (!std::isfinite(an)) finite.store(false, std::memory_order_relaxed);
+        best = std::max(best, an - argmax_head_bound(an, q_of(n)));
+      }
+      piece_max[c] = best;
+    });
+    const float L = *std::max_element(piece_max.begin(), piece_max.end());
+    int64_t racing = 0;
+    if (finite.load() && std::isfinite(L)) {
+      std::atomic<int64_t> count{0};
+      parallel_chunks(pieces, [&](int64_t c) {
+        int64_t here = 0;
+        for (int64_t g = groups * c / pieces; g < groups * (c + 1) / pieces; ++g) {
+          bool any = false;
+          for (int64_t n = g * kGroup; n < std::min(V, (g + 1) * kGroup) && !any; ++n) {
+            const float an = bf16_to_float_bits(a[n]);
+            any = an + argmax_head_bound(an, q_of(n)) >= L;
+          }
+          in_race[g] = any;
+          here += any;
+        }
+        count.fetch_add(here, std::memory_order_relaxed);
+      });
+      racing = count.load();
+    }
+    if (racing == 0) {  // not finite: the whole head (a finite row always has a group in the race)
+      std::fill(in_race, in_race + groups, uint8_t{1});
+    }
+    std::vector<int64_t> race;
+    for (int64_t g = 0; g < groups; ++g)
+      if (in_race[g]) race.push_back(g);
+    // The exact logits of the groups in the race (the head's own one-row tile), the rest -inf.
+    parallel_chunks(static_cast<int64_t>(race.size()), [&](int64_t i) {
+      const int64_t g = race[i];
+      linear_rows(1, xr, K, head + g * group_stride, nullptr, nullptr, exact, K, V, g * kGroup);
+    });
+    parallel_ranges(groups, 256, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t n = g * kGroup; n < std::min(V, (g + 1) * kGroup); ++n)
+          out[n] = in_race[g] ? bf16_to_float_bits(exact[n]) : -std::numeric_limits<float>::infinity();
+    });
+  }
+}
+
 // The int4 weight-only (W4A16) linear, per group of `gk` inputs (K a multiple of gk, gk a
 // multiple of 16): w = (q - 8) * scale + offset for q in [0, 15] with a bf16 scale and offset
 // per (input group, output), torch's CPU int4 semantics (kernels/quant_linear.py
@@ -2556,11 +2660,17 @@ void bf16_silu_mlp(const torch::Tensor& out, const torch::Tensor& x, const torch
               "bf16_silu_mlp: shape mismatch");
 #if defined(__AVX512BF16__)
   if (M == 0) return;
-  std::vector<uint16_t> gate_up(M * 2 * I), h(M * I);
+  // The intermediates in a buffer kept by the calling thread, grown as needed: every element
+  // is written before it is read, where a fresh zero-filled pair per call (the fused decode
+  // call makes one a layer) cost a memset and the allocator's page faults every layer.
+  thread_local std::vector<uint16_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < 3 * M * I) buffer.resize(3 * M * I);
+  uint16_t* gate_up = buffer.data();
+  uint16_t* h = gate_up + 2 * M * I;
   bf16_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()),
-                   reinterpret_cast<const uint16_t*>(gate_up_weight.data_ptr()), nullptr, gate_up.data(), M, K, 2 * I);
-  silu_mul_rows(gate_up.data(), h.data(), M, I);
-  bf16_linear_impl(h.data(), reinterpret_cast<const uint16_t*>(down_weight.data_ptr()), nullptr,
+                   reinterpret_cast<const uint16_t*>(gate_up_weight.data_ptr()), nullptr, gate_up, M, K, 2 * I);
+  silu_mul_rows(gate_up, h, M, I);
+  bf16_linear_impl(h, reinterpret_cast<const uint16_t*>(down_weight.data_ptr()), nullptr,
                    reinterpret_cast<uint16_t*>(out.data_ptr()), M, I, N);
 #endif
 }
@@ -2616,6 +2726,40 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 }
 
 namespace {
+
+// An LM head's int8 copy for greedy steps (kernels/greedy_head.py): [q8 packed by
+// pack_int8_weight, bf16 row scales, float32 row errors], each over the head's rows.
+void check_argmax_head(const std::vector<torch::Tensor>& argmax_head, const torch::Tensor& head) {
+  TORCH_CHECK(argmax_head.size() == 3 && is_packed_int8(argmax_head[0]) && argmax_head[0].size(0) == head.size(0) &&
+                  argmax_head[0].size(1) == head.size(1) && argmax_head[1].scalar_type() == at::kBFloat16 &&
+                  argmax_head[1].is_contiguous() && argmax_head[1].numel() == head.size(0) &&
+                  argmax_head[2].scalar_type() == at::kFloat && argmax_head[2].is_contiguous() &&
+                  argmax_head[2].numel() == head.size(0),
+              "argmax head: [int8 weight packed by pack_int8_weight, bfloat16 scales [V], float32 errors [V]] of the "
+              "head's shape expected");
+}
+
+// The float32 logits [R, V] a greedy step reads of x [R, K] (bf16) through the head `head`
+// (bf16 packed by pack_bf16_weight) with its int8 copy `argmax_head` (check_argmax_head):
+// exact where a token can be the argmax, -inf elsewhere (argmax_head_logits_impl). The
+// fused decode call's greedy head, as a kernel of its own for tests and benchmarks.
+torch::Tensor argmax_head_logits(const torch::Tensor& x, const torch::Tensor& head,
+                                 const std::vector<torch::Tensor>& argmax_head) {
+  TORCH_CHECK(kHaveBf16Gemv, "argmax_head_logits: this build has no AVX512-BF16 (the CPU lacks it)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && is_packed_bf16(head) &&
+                  head.size(1) == x.size(1),
+              "argmax_head_logits: contiguous bfloat16 x [R, K] and a head packed by pack_bf16_weight [V, K] expected");
+  check_argmax_head(argmax_head, head);
+  torch::Tensor logits = torch::empty({x.size(0), head.size(0)}, x.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__)
+  if (x.size(0) > 0)
+    argmax_head_logits_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.size(1),
+                            reinterpret_cast<const uint16_t*>(head.data_ptr()), argmax_head[0].data_ptr<int8_t>(),
+                            reinterpret_cast<const uint16_t*>(argmax_head[1].data_ptr()),
+                            argmax_head[2].data_ptr<float>(), head.size(0), logits.data_ptr<float>());
+#endif
+  return logits;
+}
 
 // One linear of a fused decode layer (bf16_decode_layers): its weight and how to apply it.
 // kind 0: a bf16 weight [N, K] packed by pack_bf16_weight, through bf16_linear_impl; kind > 0:
@@ -2716,8 +2860,8 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
                                  int64_t num_heads, int64_t num_kv_heads, double scale, double eps, int64_t q_chunk,
                                  int64_t few_rows, int64_t block_over, int64_t key_part, const torch::Tensor& final_norm,
                                  const torch::Tensor& out_rows, const torch::Tensor& lm_head,
-                                 const torch::Tensor& lm_head_scales, const std::vector<torch::Tensor>& lora,
-                                 const torch::Tensor& lora_rows) {
+                                 const torch::Tensor& lm_head_scales, const std::vector<torch::Tensor>& argmax_head,
+                                 const std::vector<torch::Tensor>& lora, const torch::Tensor& lora_rows) {
   constexpr size_t kPerLayer = 14;
   const size_t L = windows.size();
   TORCH_CHECK(lora.empty() || (lora.size() == 12 * L && lora_rows.numel() == input_ids.numel()),
@@ -2858,6 +3002,18 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
   torch::Tensor rows = x.index_select(0, out_rows);
   add_rms_norm_impl<c10::BFloat16>(out, rows, rows, nullptr, final_norm, eps);
   if (!logits) return out;
+#if defined(__AVX512BF16__)
+  if (!argmax_head.empty() && !int8_head && R <= kArgmaxHeadRows) {
+    // A greedy step: the exact logits only where the argmax can be (argmax_head_logits_impl).
+    check_argmax_head(argmax_head, lm_head);
+    torch::Tensor float_logits = torch::empty({R, lm_head.size(0)}, opts.dtype(at::kFloat));
+    argmax_head_logits_impl(reinterpret_cast<const uint16_t*>(out.data_ptr()), R, hidden,
+                            reinterpret_cast<const uint16_t*>(lm_head.data_ptr()), argmax_head[0].data_ptr<int8_t>(),
+                            reinterpret_cast<const uint16_t*>(argmax_head[1].data_ptr()),
+                            argmax_head[2].data_ptr<float>(), lm_head.size(0), float_logits.data_ptr<float>());
+    return float_logits;
+  }
+#endif
   // The head as the model's GEMV `Linear` computes it (bf16 out), widened as the sampler widens it.
   const torch::Tensor none = torch::empty({0}, opts);
   // The widening on the work pool, not torch's `.to(float)`: that copy (49,152 logits a
@@ -2958,6 +3114,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemv", &int4_gemv, release());
   m.def("bf16_silu_mlp", &bf16_silu_mlp, release());
   m.def("bf16_decode_layers", &bf16_decode_layers, release());
+  m.def("argmax_head_logits", &argmax_head_logits, release());
   m.def("lora_add", &lora_add, release());
   m.def("silu_mul", &silu_mul, release());
   m.def("argmax_rows", &argmax_rows, release());

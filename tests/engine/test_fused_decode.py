@@ -234,3 +234,47 @@ def test_a_gptq_act_order_linear_keeps_the_per_op_forward():
     attn = model.model.layers[0].self_attn
     attn.o_proj = PermutedInputLinear(torch.arange(model.args.num_attention_heads * model.args.head_dim), attn.o_proj)
     assert FusedDecodeLayers.build(model) is None
+
+
+@pytest.mark.parametrize("batch", ["one decode", "three decodes", "a verification chunk and decodes", "eight decodes"])
+def test_a_greedy_step_takes_the_heads_argmax_from_its_int8_copy(batch):
+    """A step whose rows only take their argmax (`meta.argmax_only`): with at most 4 rows
+    the call's logits are the head's own bits wherever finite, -inf where a token cannot be
+    the argmax, and every row's argmax is the whole head's; over 4 rows (and without the
+    flag) the whole head, bit for bit."""
+    model = make_model("llama", vocab_size=4096)
+    model.fused_decode = fused = FusedDecodeLayers.build(model)
+    assert fused.argmax_head is not None
+    ops = get_ops("cpu", torch.device("cpu"))
+    input_ids, positions, caches, meta = make_step(model, BATCHES[batch])
+    expected = model.decode_logits(input_ids, positions, [(k.clone(), v.clone()) for k, v in caches], meta, ops)
+    got = model.decode_logits(input_ids, positions, [(k.clone(), v.clone()) for k, v in caches],
+                              replace(meta, argmax_only=True), ops)
+    assert torch.equal(cpu_kernels.argmax(got), cpu_kernels.argmax(expected))
+    finite = torch.isfinite(got)
+    assert torch.equal(got[finite], expected[finite])
+    if got.shape[0] <= 4:
+        assert not bool(finite.all())  # the route ran: part of the head was never computed
+    else:
+        assert torch.equal(got, expected)
+
+
+def test_the_greedy_head_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("PAGODA_CPU_GREEDY_HEAD", "0")
+    model = make_model("llama")
+    fused = FusedDecodeLayers.build(model)
+    assert fused.lm_head is not None and fused.argmax_head is None
+    # An INT8 head (the INT4 model's) is read whole: it is already the smaller copy.
+    monkeypatch.delenv("PAGODA_CPU_GREEDY_HEAD")
+    assert FusedDecodeLayers.build(make_model("llama", quantization="int4")).argmax_head is None
+
+
+def test_a_greedy_step_with_no_sampled_row_returns_no_logits():
+    """A step none of whose rows is sampled (a prefill chunk short of its prompt's end) with
+    the greedy head set: no logits, and no read of the missing rows (it once crashed)."""
+    model = make_model("llama", vocab_size=4096)
+    model.fused_decode = FusedDecodeLayers.build(model)
+    ops = get_ops("cpu", torch.device("cpu"))
+    input_ids, positions, caches, meta = make_step(model, BATCHES["one decode"])
+    none = replace(meta, logits_indices=meta.logits_indices[:0], argmax_only=True)
+    assert model.decode_logits(input_ids, positions, caches, none, ops).shape == (0, 4096)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, argmax_suffices
 from engine.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -401,3 +401,18 @@ def test_logprob_alternatives_equal_topk_of_log_softmax(k: int) -> None:
         sampled = out.token_ids[row]
         assert lp.ranks[0] == int((raw[row] > raw[row, sampled]).sum()) + 1
         assert math.isclose(lp.logprobs[0], float(raw[row, sampled]), abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("params, suffices", [
+    (SamplingParams(temperature=0.0), True),
+    (SamplingParams(temperature=0.0, top_k=5, top_p=0.5, seed=3), True),  # filters do not move a greedy argmax
+    (SamplingParams(temperature=0.7), False),
+    (SamplingParams(temperature=0.0, logprobs=0), False),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.1), False),
+    (SamplingParams(temperature=0.0, presence_penalty=0.5), False),
+    (SamplingParams(temperature=0.0, logit_bias={5: 1.0}), False),
+    (SamplingParams(temperature=0.0, min_tokens=4), False),  # end-of-sequence masked until then
+])
+def test_argmax_suffices_only_where_the_sampler_reads_nothing_else(params, suffices) -> None:
+    """Which rows may take the LM head's argmax route (`AttentionMetadata.argmax_only`)."""
+    assert argmax_suffices(make_request(params)) is suffices

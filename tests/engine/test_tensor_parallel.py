@@ -255,12 +255,15 @@ def test_fewer_kv_heads_than_ranks_replicates_each_kv_head_on_its_query_heads_ra
 
 @pytest.mark.parametrize("with_copies", [False, True], ids=["no-copies", "copies"])
 def test_step_message_round_trip(with_copies):
+    """Every field of a step arrives as sent: the tensors with their dtypes, the greedy flag
+    (`argmax_only`, set here: the default would pass unsent)."""
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([3, 17, 18, 40], dtype=torch.int64),
         block_tables=torch.tensor([[0, 0, 0], [1, 2, 5]], dtype=torch.int32),
         seq_lens=torch.tensor([4, 35], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32),
         logits_indices=torch.tensor([0, 3], dtype=torch.int64),
+        argmax_only=True,
     )
     copies = torch.tensor([[2, 7], [4, 9]]) if with_copies else None
     step = StepInputs(torch.tensor([11, 12, 13, 14]), torch.tensor([3, 32, 33, 34]), meta, copies)
@@ -271,5 +274,8 @@ def test_step_message_round_trip(with_copies):
     assert torch.equal(back.input_ids, step.input_ids) and torch.equal(back.positions, step.positions)
     for field in dataclasses.fields(AttentionMetadata):
         sent, got = getattr(meta, field.name), getattr(back.meta, field.name)
-        assert got.dtype == sent.dtype and torch.equal(got, sent), field.name
+        if isinstance(sent, torch.Tensor):
+            assert got.dtype == sent.dtype and torch.equal(got, sent), field.name
+        else:
+            assert got == sent, field.name
     assert (back.blocks_to_copy is None) if copies is None else torch.equal(back.blocks_to_copy, copies)
