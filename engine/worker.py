@@ -191,6 +191,8 @@ class Worker:
             kernel = self._num_kernel_linears()
             tied = ("; each weight held once, but the LM head tied to the embeddings (packed, and the dense "
                     "table for the lookup)") if self.num_shared_linears else "; each weight held once"
+            if getattr(getattr(self.model, "fused_decode", None), "c12", None) is not None:
+                tied += " (and a 12-bit copy for small steps: decode_layers)"
             onednn = self.num_packed_linears - kernel
             if kernel:
                 facts["linears"] = (f"{kernel} of {num_float} float linears on the C++ bf16 kernel (one arithmetic "
@@ -202,7 +204,10 @@ class Worker:
             fused = getattr(self.model, "fused_decode", None)
             facts["decode_layers"] = (
                 f"one C++ call for all {a.num_hidden_layers} layers of every bf16 step "
-                "(PAGODA_CPU_FUSED_DECODE=0: the per-op forward)" if fused is not None
+                "(PAGODA_CPU_FUSED_DECODE=0: the per-op forward)"
+                + (f"; steps of 1-2 rows read the bf16 linears' lossless 12-bit copy ({fused.c12_bytes / 2**20:.0f} MiB "
+                   "more; PAGODA_CPU_12BIT_WEIGHTS=0: off)" if fused.c12 is not None else "")
+                if fused is not None
                 else "the per-op forward (the fused C++ call takes Llama/Mistral/Qwen2 blocks in bf16 with GEMV, "
                      "int4 or int8 linears on an AVX512-BF16 CPU, in one process)"
             )

@@ -179,6 +179,17 @@ def bf16_gemv_available() -> bool:
     return bool(_state["bf16_gemv"])
 
 
+def c12_available() -> bool:
+    """Whether `c12_linear` (bf16 weights in 12 bits) runs here: `bf16_gemv_available()` and the
+    extension built with AVX512-VBMI2 and the CPU reporting it (its decode's vpshrdw and
+    vpexpandw)."""
+    if "c12" not in _state:
+        module = load()
+        _state["c12"] = (bf16_gemv_available() and bool(module.c12_available())
+                         and "avx512_vbmi2" in _cpu_flags().split())
+    return bool(_state["c12"])
+
+
 def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     """The bf16 linear kernel's copy of a dense bf16 CPU weight [N, K] (csrc/cpu_kernels.cpp
     `pack_bf16_weight`): vdpbf16ps's pair layout in groups of 32 outputs, as a tensor of the
@@ -253,6 +264,7 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
                        scale: float, eps: float, final_norm: torch.Tensor, out_rows: torch.Tensor,
                        lm_head: torch.Tensor | None = None, lm_head_scales: torch.Tensor | None = None,
                        invariant: bool = False, argmax_head: list[torch.Tensor] | None = None,
+                       c12: list[torch.Tensor] | None = None,
                        lora: list[torch.Tensor] | None = None, lora_rows: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's Llama-style decoder layers for a few bf16 rows in one call
     (csrc/cpu_kernels.cpp `bf16_decode_layers`): the tokens `input_ids` (int64 [M]) looked
@@ -279,7 +291,9 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
     lm_head_scales).float()`). `argmax_head`: the bf16 head's int8 copy
     (kernels/greedy_head.py `greedy_head_copy`) for a step whose rows only take their argmax:
     with at most 4 rows the logits are `argmax_head_logits`' (exact where a token can be
-    the argmax, -inf elsewhere). `invariant`: attention on `paged_attention`'s
+    the argmax, -inf elsewhere). `c12`: 3 tensors per linear and layer, a bf16 weight's
+    `pack_c12_weight` copy (3 empty tensors: none), which steps of up to 2 rows read instead
+    (the same bits, from 3/4 of the bytes). `invariant`: attention on `paged_attention`'s
     batch-invariant route (as the per-op forward with the same setting; an int8 cache always).
     `lora`, `lora_rows`: a step with LoRA rows (engine/lora.py `LoraManager.fused_tensors`):
     a, bt, offsets per linear and layer, and each row's adapter group; each linear's deltas
@@ -292,7 +306,7 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
                                      0 if invariant else BLOCK_MIN_ROWS, KEY_PART if invariant else 0, final_norm,
                                      out_rows, lm_head if lm_head is not None else _EMPTY_BF16,
                                      lm_head_scales if lm_head_scales is not None else _EMPTY_BF16,
-                                     argmax_head or [], lora or [],
+                                     argmax_head or [], c12 or [], lora or [],
                                      lora_rows if lora_rows is not None else _EMPTY_ROWS)
 
 
@@ -316,6 +330,32 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     activation (vectorised, each product rounded as the eager ops round). Only where
     `bf16_gemv_available()`."""
     return load().silu_mul(gate_up)
+
+
+def unpack_bf16_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The dense [N, K] bf16 weight a `pack_bf16_weight` copy holds (its pair layout:
+    packed[((g * Kp + kp) * 32 + l) * 2 + j] = W[32 g + l][2 kp + j], Kp = ceil(K / 2))."""
+    n, k = packed.shape
+    kp, groups = (k + 1) // 2, (n + 31) // 32
+    pairs = packed.as_strided((groups, kp, 32, 2), (kp * 64, 64, 2, 1))
+    return pairs.permute(0, 2, 1, 3).reshape(groups * 32, kp * 2)[:n, :k].contiguous()
+
+
+def pack_c12_weight(weight: torch.Tensor) -> list[torch.Tensor]:
+    """A dense bf16 weight [N, K] held in 12 bits a weight, losslessly (csrc/cpu_kernels.cpp
+    `c12_linear_impl`): each weight's sign and mantissa in a byte and a 4-bit code for its
+    exponent below its row's largest; the few weights more than 14 binades below it (zeros,
+    subnormals) kept whole in a list. Returns [packed uint8, exceptions int16, offsets int64]
+    as `c12_linear` and `bf16_decode_layers`' `c12` take them."""
+    return load().pack_c12_weight(weight)
+
+
+def c12_linear(x: torch.Tensor, c12: list[torch.Tensor], out_features: int) -> torch.Tensor:
+    """`x @ W.T` for bf16 x [M, K] and W's `pack_c12_weight` copy: the bits of `bf16_linear(x,
+    pack_bf16_weight(W))` (the same float32 chains over the decoded weights), reading 3/4
+    of the bytes; a weight stream for 1-2 rows, slower than the bf16 kernel from ~4 rows on
+    (the decode's vector work is no longer hidden). Only where `c12_available()`."""
+    return load().c12_linear(x, c12, out_features)
 
 
 def argmax_head_logits(x: torch.Tensor, head: torch.Tensor, argmax_head: list[torch.Tensor]) -> torch.Tensor:

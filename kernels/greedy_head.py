@@ -19,17 +19,9 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_kernels
+from kernels.cpu_kernels import unpack_bf16_weight
 
 _ROWS_PER_CHUNK = 4096  # head rows quantized at a time: a float64 copy of 4,096 x 2,048 is 64 MB
-
-
-def unpack_bf16_weight(packed: torch.Tensor) -> torch.Tensor:
-    """The dense [N, K] bf16 weight a `pack_bf16_weight` copy holds (its pair layout:
-    packed[((g * Kp + kp) * 32 + l) * 2 + j] = W[32 g + l][2 kp + j], Kp = ceil(K / 2))."""
-    n, k = packed.shape
-    kp, groups = (k + 1) // 2, (n + 31) // 32
-    pairs = packed.as_strided((groups, kp, 32, 2), (kp * 64, 64, 2, 1))
-    return pairs.permute(0, 2, 1, 3).reshape(groups * 32, kp * 2)[:n, :k].contiguous()
 
 
 def _bf16_at_least(value: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
   where the argmax can be) where the model has it;
 - fused, whole head: the same without the greedy head (`PAGODA_CPU_GREEDY_HEAD=0`): every
   step reads the whole bf16 head;
+- fused, 16-bit weights: the same without the bf16 linears' lossless 12-bit copies
+  (`PAGODA_CPU_12BIT_WEIGHTS=0`), which steps of 1-2 rows read otherwise;
 - per-op: the model's Python forward, one kernel call per op (`PAGODA_CPU_FUSED_DECODE=0`);
 - per-op, torch int8 (`--int8-gemv`): also W8A16 through torch's `_weight_int8pack_mm`
   instead of Pagoda's int8 kernel (each `Int8Linear`'s packed copy set aside);
@@ -104,15 +106,17 @@ def main() -> None:
     if fused is None:
         sys.exit("the fused decode call does not run for this model here (the start-up log's decode_layers line says why)")
     int8_linears = {m: m.kernel_weight for m in model.modules() if isinstance(m, Int8Linear)}
-    greedy_head = fused.argmax_head
+    greedy_head, c12 = fused.argmax_head, fused.c12
 
     def use(path: str) -> None:
         model.fused_decode = fused if path.startswith("fused") else None
-        fused.argmax_head = greedy_head if path == "fused" else None
+        fused.argmax_head = None if path == "fused, whole head" else greedy_head
+        fused.c12 = None if path == "fused, 16-bit weights" else c12
         for linear, packed in int8_linears.items():
             linear.kernel_weight = None if path == "per-op, torch int8" else packed
 
-    paths = (["fused"] + (["fused, whole head"] if greedy_head is not None and args.batch <= 4 else []) + ["per-op"]
+    paths = (["fused"] + (["fused, whole head"] if greedy_head is not None and args.batch <= 4 else [])
+             + (["fused, 16-bit weights"] if c12 is not None and args.batch <= 2 else []) + ["per-op"]
              + (["per-op, torch int8"] if args.int8_gemv else [])
              + (["per-op, torch int4"] if torch_int4 else []))
 
@@ -140,7 +144,11 @@ def main() -> None:
     path_bytes = {p: weight_bytes for p in paths}
     if greedy_head is not None:  # the int8 copy read in place of the bf16 head (batch 1: the route's rows)
         head = fused.lm_head.untyped_storage().nbytes()
-        path_bytes["fused"] = weight_bytes - head + sum(t.untyped_storage().nbytes() for t in greedy_head)
+        for path in ("fused", "fused, 16-bit weights"):
+            path_bytes[path] = weight_bytes - head + sum(t.untyped_storage().nbytes() for t in greedy_head)
+    if c12 is not None and args.batch <= 2:  # the 12-bit copies read in place of those bf16 weights
+        for path in ("fused", "fused, whole head"):
+            path_bytes[path] += fused.c12_bytes - fused.c12_bf16_bytes
     bandwidth = statistics.median(bandwidths)
     bound = weight_bytes / (bandwidth * 1e9)
     what = args.quantization or args.dtype
@@ -148,7 +156,10 @@ def main() -> None:
     print(f"\n{rows}, {what}, {torch.get_num_threads()} threads "
           f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), {args.rounds} alternating rounds: "
           f"weights read per step {weight_bytes / 1e6:.0f} MB"
-          + (f" ({path_bytes['fused'] / 1e6:.0f} MB with the greedy head)" if path_bytes["fused"] != weight_bytes else "")
+          + (f" ({path_bytes['fused'] / 1e6:.0f} MB on the fused path: "
+             + ", ".join(what for what, used in (("greedy head", greedy_head is not None),
+                                                 ("12-bit copies", c12 is not None and args.batch <= 2)) if used) + ")"
+             if path_bytes["fused"] != weight_bytes else "")
           + f", read bandwidth median {bandwidth:.1f} GB/s "
           f"(range {min(bandwidths):.1f}-{max(bandwidths):.1f})"
           + (f", bound {bound * 1e3:.2f} ms\n" if args.batch == 1 else "\n"))

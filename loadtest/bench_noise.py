@@ -22,7 +22,8 @@ Servers, one at a time (each stopped, its whole process group, before the next s
 `pagoda` (bf16), `pagoda-openmp` (the same with PAGODA_CPU_LOOPS=openmp: the kernels' loops
 on OpenMP's fork-join team, as before the work pool; for the A/B), `pagoda-whole-head` (the
 same with PAGODA_CPU_GREEDY_HEAD=0: greedy steps read the whole bf16 LM head, not its int8
-copy first; kernels/greedy_head.py) and `llama.cpp`
+copy first; kernels/greedy_head.py), `pagoda-16bit-weights` (PAGODA_CPU_12BIT_WEIGHTS=0:
+steps of 1-2 rows read the bf16 weights, not their lossless 12-bit copies) and `llama.cpp`
 (`llama-server -t CPUS -tb CPUS -np 32 --cont-batching`). Each server is warmed up, then
 for each `--noise` condition in turn: the neighbour is started (none; a busy loop at nice 0;
 at nice 19), and measured with it are
@@ -196,6 +197,7 @@ class Neighbour:
 PAGODA_VARIANTS = {
     "pagoda-openmp": {"PAGODA_CPU_LOOPS": "openmp"},  # the kernels' loops on OpenMP's team, not the work pool
     "pagoda-whole-head": {"PAGODA_CPU_GREEDY_HEAD": "0"},  # every step reads the whole bf16 LM head
+    "pagoda-16bit-weights": {"PAGODA_CPU_12BIT_WEIGHTS": "0"},  # 1-2 row steps read the bf16 weights
 }
 """Pagoda with one thing turned off, for A/B runs against `pagoda` (the environment each sets)."""
 

@@ -373,6 +373,27 @@ class FusedDecodeLayers:
             from kernels.greedy_head import greedy_head_copy
 
             self.argmax_head = greedy_head_copy(self.lm_head)
+        # Each bias-free bf16 linear's lossless 12-bit copy, which steps of 1-2 rows read
+        # instead (the same bits from 3/4 of the bytes: a one-stream decode streams the
+        # weights, so it is that much shorter), held beside the bf16 copy the larger steps
+        # compute from. PAGODA_CPU_12BIT_WEIGHTS=0: none (A/B; the memory back).
+        self.c12: list[torch.Tensor] | None = None
+        self.c12_bytes = 0  # the copies' bytes
+        self.c12_bf16_bytes = 0  # the bf16 weights' bytes they stand in for
+        if (os.environ.get("PAGODA_CPU_12BIT_WEIGHTS", "1") != "0" and 0 in self.kinds
+                and cpu_kernels.c12_available()):
+            self.c12 = []
+            empty = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int16), torch.empty(0, dtype=torch.int64)]
+            for layer in model.model.layers:
+                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                               layer.mlp.down_proj):
+                    if type(linear) is Linear and linear.bias is None:
+                        copy = cpu_kernels.pack_c12_weight(cpu_kernels.unpack_bf16_weight(linear.kernel_weight))
+                        self.c12 += copy
+                        self.c12_bytes += sum(t.numel() * t.element_size() for t in copy)
+                        self.c12_bf16_bytes += 2 * linear.kernel_weight.numel()
+                    else:
+                        self.c12 += empty
         self.rope = model.rope
 
     def _add_linear(self, linear: nn.Module) -> None:
@@ -439,7 +460,7 @@ class FusedDecodeLayers:
             meta.query_start_loc, self.num_heads, self.num_kv_heads, self.scale, self.eps, self.final_norm,
             meta.logits_indices, self.lm_head if logits else None,
             lm_head_scales=self.lm_head_scales if logits else None, invariant=self.batch_invariant,
-            argmax_head=self.argmax_head if logits and meta.argmax_only else None,
+            argmax_head=self.argmax_head if logits and meta.argmax_only else None, c12=self.c12,
             lora=lora[0] if lora else None, lora_rows=lora[1] if lora else None,
         )
 

@@ -1810,6 +1810,22 @@ constexpr int64_t kInt4Header = 128;  // bytes of a block's scales and offsets (
 
 inline int64_t int4_block_bytes(int64_t gk) { return kInt4Header + gk / 4 * kInt4Line; }
 
+// The 12-bit bf16 layout's group (c12_linear_impl): its exponent vectors, then a line per input pair.
+constexpr int64_t kC12Header = 128;  // bytes of a group's two exponent vectors
+constexpr int64_t kC12Line = 96;     // bytes of a pair line: 64 sign-mantissa bytes, 32 of codes
+
+inline int64_t c12_group_bytes(int64_t K) { return kC12Header + (K + 1) / 2 * kC12Line; }
+// Rows up to which the fused call reads a linear's 12-bit copy: beyond, the decode's extra
+// vector work per weight is no longer hidden behind the weight stream.
+constexpr int64_t kC12MaxRows = 2;
+// The 12-bit kernel's decode needs AVX512-VBMI2 (vpshrdw, vpexpandw) beside AVX512-BF16
+// (Cooper Lake has the one without the other).
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI2__)
+constexpr bool kHaveC12 = true;
+#else
+constexpr bool kHaveC12 = false;
+#endif
+
 #if defined(__AVX512BF16__)
 constexpr bool kHaveBf16Gemv = true;
 constexpr int64_t kPrefetchL2Ahead = 4096;  // bf16 elements: 8 KB, past the next page boundary
@@ -2036,6 +2052,108 @@ void int8_linear_impl(const uint16_t* x, const int8_t* packed, const uint16_t* s
                       int64_t N) {
   packed_linear_impl(x, packed, nullptr, scale, y, M, K, N);
 }
+
+// ---- bf16 weights in 12 bits, lossless: a few-row decode step reads 3/4 of the bytes ----------
+// A trained (or randomly initialised) bf16 weight uses few of its 256 exponents: the weights
+// of an output row lie within a few binades of its largest. So each weight is held as its
+// sign and 7 mantissa bits (a byte) plus a 4-bit code: the row's largest exponent minus its
+// own (0-14), or 15 for an exception (zero, a subnormal, or more than 14 binades below the
+// row's largest), whose whole bf16 is kept in a per-group list in the order the kernel meets
+// them. Decoding rebuilds every weight's exact bits in registers, so the kernel's arithmetic is
+// the bf16 kernel's (the same chains in the same order: the same output bits), from 96 bytes a
+// pair line instead of 128.
+//
+// Layout (pack_c12_weight), per group of 32 outputs: the row exponents shifted into place,
+// as two vectors of 32 words (word i of vector v: output 16 v + i / 2's exponent << 7, the
+// pair line's lane order), then per input pair kp 96 bytes: the 64 weights' (mantissa << 1 |
+// sign) bytes in the pair line's order (vector 0's 32 words, then vector 1's), and 32
+// bytes of codes, byte i holding vector 0's word i (low nibble) and vector 1's (high).
+
+#if defined(__AVX512VBMI2__)
+// One vector of a 12-bit pair line: 32 weights' exact bf16 bits. `code7`: the codes shifted
+// left by 7 (masked to bits 7-10); escape lanes are filled from `*exceptions` in lane order.
+inline __m512bh c12_vector(__m512i mantissa_sign, __m512i code7, __m512i exponent7, const uint16_t*& exceptions) {
+  // The byte (mantissa << 1 | sign) rotated right by one within its word: sign at bit 15,
+  // mantissa at bits 0-6, bits 7-14 clear for the exponent.
+  __m512i w = _mm512_or_si512(_mm512_shrdi_epi16(mantissa_sign, mantissa_sign, 1), _mm512_sub_epi16(exponent7, code7));
+  const __mmask32 escape = _mm512_cmpeq_epi16_mask(code7, _mm512_set1_epi16(15 << 7));
+  if (escape) {
+    w = _mm512_mask_expandloadu_epi16(w, escape, exceptions);
+    exceptions += _mm_popcnt_u32(escape);
+  }
+  return (__m512bh)w;
+}
+
+// x rows [0, MR) against G adjacent 12-bit groups from `pg` (group stride c12_group_bytes),
+// their exception lists from `exc[g]`: linear_tile's chains on the decoded weights.
+template <int MR, int G>
+inline void c12_tile(const uint16_t* __restrict x, const uint8_t* __restrict pg, const uint16_t* const* exc,
+                     uint16_t* __restrict y, int64_t K, int64_t N, int64_t n0) {
+  const int64_t Kp = (K + 1) / 2, full = K / 2, gs = c12_group_bytes(K);
+  const uint16_t* ex[G];
+  __m512i e7[2 * G];
+  for (int g = 0; g < G; ++g) {
+    ex[g] = exc[g];
+    e7[2 * g] = _mm512_loadu_si512(pg + g * gs);
+    e7[2 * g + 1] = _mm512_loadu_si512(pg + g * gs + 64);
+  }
+  __m512 acc[MR][2 * G];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < Kp; ++kp) {
+    __m512bh w[2 * G];
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* line = pg + g * gs + kC12Header + kp * kC12Line;
+      _mm_prefetch(reinterpret_cast<const char*>(line + 2 * kPrefetchL2Ahead), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(line + 2 * kPrefetchL2Ahead + 64), _MM_HINT_T1);
+      const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 64)));
+      const __m512i nib_mask = _mm512_set1_epi16(0x0F << 7);
+      const __m512i c0 = _mm512_and_si512(_mm512_slli_epi16(codes, 7), nib_mask);
+      const __m512i c1 = _mm512_and_si512(_mm512_slli_epi16(codes, 3), nib_mask);
+      const __m512i ms0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
+      const __m512i ms1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32)));
+      w[2 * g] = c12_vector(ms0, c0, e7[2 * g], ex[g]);
+      w[2 * g + 1] = c12_vector(ms1, c1, e7[2 * g + 1], ex[g]);
+    }
+    for (int m = 0; m < MR; ++m) {
+      __m512bh xv;
+      if (kp < full) {
+        uint32_t v;
+        std::memcpy(&v, x + m * K + 2 * kp, sizeof(v));
+        xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
+      } else {
+        xv = x_pair(x + m * K, kp, K);
+      }
+      for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, w[j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < G; ++g) store_group(acc[m][2 * g], acc[m][2 * g + 1], nullptr, nullptr, y + m * N, n0 + g * kGroup, N);
+}
+
+// y [M, N] = x [M, K] @ W^T, W held in 12 bits (pack_c12_weight): 1-4 rows at a time on the
+// few-row schedule (a weight stream), the same output bits as bf16_linear_impl on W.
+void c12_linear_impl(const uint16_t* x, const uint8_t* packed, const uint16_t* exceptions, const int64_t* offsets,
+                     uint16_t* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t gs = c12_group_bytes(K);
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t mb = std::min<int64_t>(4, M - m0);
+    const uint16_t* xm = x + m0 * K;
+    uint16_t* ym = y + m0 * N;
+    schedule_packed_linear(
+        mb, N, gs, 4, 2,
+        [&](int64_t g, int64_t, int64_t rows) {
+          const uint16_t* exc[1] = {exceptions + offsets[g]};
+          with_tile_rows<4>(rows, [&](auto r) { c12_tile<decltype(r)::value, 1>(xm, packed + g * gs, exc, ym, K, N, g * kGroup); });
+        },
+        [&](int64_t g) {
+          const uint16_t* exc[2] = {exceptions + offsets[g], exceptions + offsets[g + 1]};
+          with_tile_rows<4>(mb, [&](auto r) { c12_tile<decltype(r)::value, 2>(xm, packed + g * gs, exc, ym, K, N, g * kGroup); });
+        });
+  }
+}
+
+#endif  // __AVX512VBMI2__
 
 // ---- The LM head of a greedy step: exact logits only where the argmax can be ----------------
 // At a decode step of a row or a few the LM head is a large share of the weight bytes read
@@ -2725,6 +2843,93 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return h;
 }
 
+// The 12-bit copy of a dense bf16 weight [N, K] (c12_linear_impl's layout, see there):
+// [packed uint8 [groups * c12_group_bytes(K)], exceptions int16 [E] (each group's in the
+// order the kernel meets them), offsets int64 [groups + 1] (group g's from offsets[g])].
+std::vector<torch::Tensor> pack_c12_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
+              "pack_c12_weight: a 2-D bfloat16 CPU weight expected");
+  const torch::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), Kp = (K + 1) / 2, groups = (N + 31) / 32, gs = c12_group_bytes(K);
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto bits = [&](int64_t n, int64_t k) -> uint16_t { return (n < N && k < K) ? src[n * K + k] : uint16_t{0}; };
+  // Each row's largest exponent field (zeros, subnormals, infinities and NaN included).
+  std::vector<int> emax(groups * 32, 0);
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      int e = 0;
+      for (int64_t k = 0; k < K; ++k) e = std::max(e, (src[n * K + k] >> 7) & 0xFF);
+      emax[n] = e;
+    }
+  });
+  auto escapes = [&](int64_t n, int64_t k) { return emax[n] - ((bits(n, k) >> 7) & 0xFF) > 14; };
+  // The pair line's lane order: vector v, word i -> output 16 v + i / 2, input 2 kp + i % 2.
+  torch::Tensor offsets = torch::empty({groups + 1}, torch::kInt64);
+  int64_t* off = offsets.data_ptr<int64_t>();
+  off[0] = 0;
+  std::vector<int64_t> counts(groups, 0);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t c = 0;
+      for (int64_t kp = 0; kp < Kp; ++kp)
+        for (int64_t l = 0; l < 32; ++l) c += escapes(32 * g + l, 2 * kp) + escapes(32 * g + l, 2 * kp + 1);
+      counts[g] = c;
+    }
+  });
+  for (int64_t g = 0; g < groups; ++g) off[g + 1] = off[g] + counts[g];
+  torch::Tensor packed = torch::empty({groups * gs}, torch::kUInt8);
+  torch::Tensor exceptions = torch::empty({std::max<int64_t>(off[groups], 1)}, torch::kInt16);
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  uint16_t* exc = reinterpret_cast<uint16_t*>(exceptions.data_ptr<int16_t>());
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* base = dst + g * gs;
+      uint16_t* header = reinterpret_cast<uint16_t*>(base);
+      for (int v = 0; v < 2; ++v)
+        for (int i = 0; i < 32; ++i) header[32 * v + i] = static_cast<uint16_t>(emax[32 * g + 16 * v + i / 2] << 7);
+      uint16_t* e = exc + off[g];
+      for (int64_t kp = 0; kp < Kp; ++kp) {
+        uint8_t* line = base + kC12Header + kp * kC12Line;
+        std::memset(line + 64, 0, 32);
+        for (int v = 0; v < 2; ++v)
+          for (int i = 0; i < 32; ++i) {
+            const int64_t n = 32 * g + 16 * v + i / 2, k = 2 * kp + i % 2;
+            const uint16_t b = bits(n, k);
+            int code = emax[n] - ((b >> 7) & 0xFF);
+            if (code > 14) {
+              code = 15;
+              *e++ = b;
+            }
+            line[32 * v + i] = static_cast<uint8_t>(((b & 0x7F) << 1) | (b >> 15));
+            line[64 + i] |= static_cast<uint8_t>(code << (4 * v));
+          }
+      }
+    }
+  });
+  return {packed, exceptions, offsets};
+}
+
+// y [M, N] = x [M, K] @ W^T for bf16 x and W's 12-bit copy `c12` (pack_c12_weight, N = the
+// weight's rows): the bits bf16_gemv gives with W packed by pack_bf16_weight.
+torch::Tensor c12_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& c12, int64_t N) {
+  TORCH_CHECK(kHaveC12, "c12_linear: this build has no AVX512-BF16 and AVX512-VBMI2 (the CPU lacks one)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "c12_linear: contiguous bfloat16 x [M, K] expected");
+  const int64_t M = x.size(0), K = x.size(1), groups = (N + 31) / 32;
+  TORCH_CHECK(c12.size() == 3 && c12[0].scalar_type() == at::kByte && c12[0].numel() == groups * c12_group_bytes(K) &&
+                  c12[1].scalar_type() == at::kShort && c12[2].scalar_type() == at::kLong &&
+                  c12[2].numel() == groups + 1 && c12[2][groups].item<int64_t>() <= c12[1].numel(),
+              "c12_linear: [packed, exceptions, offsets] of pack_c12_weight for K = ", K, ", N = ", N, " expected");
+  torch::Tensor y = torch::empty({M, N}, x.options());
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI2__)
+  if (M > 0 && N > 0)
+    c12_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), c12[0].data_ptr<uint8_t>(),
+                    reinterpret_cast<const uint16_t*>(c12[1].data_ptr<int16_t>()), c12[2].data_ptr<int64_t>(),
+                    reinterpret_cast<uint16_t*>(y.data_ptr()), M, K, N);
+#endif
+  return y;
+}
+
 namespace {
 
 // An LM head's int8 copy for greedy steps (kernels/greedy_head.py): [q8 packed by
@@ -2772,6 +2977,9 @@ struct DecodeLinear {
   const torch::Tensor* bias;
   const torch::Tensor* scales;
   int64_t kind;
+  // A bf16 weight's 12-bit copy (pack_c12_weight: 3 tensors from here), read for steps of
+  // up to kC12MaxRows rows; nullptr: none.
+  const torch::Tensor* c12 = nullptr;
 
   int64_t out_features() const { return weight->size(0); }
   int64_t in_features() const { return kind > 0 ? weight->size(1) * 2 : weight->size(1); }
@@ -2791,6 +2999,15 @@ struct DecodeLinear {
     TORCH_CHECK(bias->numel() == 0 || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
                                        bias->numel() == out_features()),
                 "bf16_decode_layers: ", what, ": a bias is a contiguous bfloat16 [N] or empty");
+    if (c12) {
+      TORCH_CHECK(kHaveC12, "bf16_decode_layers: ", what, ": 12-bit copies need AVX512-VBMI2 (the CPU lacks it)");
+      const int64_t groups = (out_features() + 31) / 32;
+      TORCH_CHECK(kind == 0 && bias->numel() == 0 && c12[0].scalar_type() == at::kByte &&
+                      c12[0].numel() == groups * c12_group_bytes(K) && c12[1].scalar_type() == at::kShort &&
+                      c12[2].scalar_type() == at::kLong && c12[2].numel() == groups + 1 &&
+                      c12[2][groups].item<int64_t>() <= c12[1].numel(),
+                  "bf16_decode_layers: ", what, ": a 12-bit copy is pack_c12_weight's of a bf16 weight with no bias");
+    }
   }
 
   // x [M, K] bf16 contiguous -> [M, N], as the model's per-op forward computes it: the GEMV
@@ -2803,6 +3020,14 @@ struct DecodeLinear {
     if (x.size(0) == 0) return out;
     if (kind == 0) {
 #if defined(__AVX512BF16__)
+#if defined(__AVX512VBMI2__)
+      if (c12 && x.size(0) <= kC12MaxRows) {  // the same bits from 3/4 of the bytes (c12_linear_impl)
+        c12_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), c12[0].data_ptr<uint8_t>(),
+                        reinterpret_cast<const uint16_t*>(c12[1].data_ptr<int16_t>()), c12[2].data_ptr<int64_t>(),
+                        reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), out_features());
+        return out;
+      }
+#endif
       bf16_linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(weight->data_ptr()),
                        bias->numel() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
                        reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), out_features());
@@ -2861,9 +3086,12 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
                                  int64_t few_rows, int64_t block_over, int64_t key_part, const torch::Tensor& final_norm,
                                  const torch::Tensor& out_rows, const torch::Tensor& lm_head,
                                  const torch::Tensor& lm_head_scales, const std::vector<torch::Tensor>& argmax_head,
-                                 const std::vector<torch::Tensor>& lora, const torch::Tensor& lora_rows) {
+                                 const std::vector<torch::Tensor>& c12_weights, const std::vector<torch::Tensor>& lora,
+                                 const torch::Tensor& lora_rows) {
   constexpr size_t kPerLayer = 14;
   const size_t L = windows.size();
+  TORCH_CHECK(c12_weights.empty() || c12_weights.size() == 12 * L,
+              "bf16_decode_layers: 12-bit copies: 3 tensors per linear and layer (empty: none), or none");
   TORCH_CHECK(lora.empty() || (lora.size() == 12 * L && lora_rows.numel() == input_ids.numel()),
               "bf16_decode_layers: LoRA takes a, bt, offsets per linear (12 per layer) and a row group per row");
   TORCH_CHECK(layer_tensors.size() == kPerLayer * L && kinds.size() == 4 * L && kv_caches.size() == 2 * L,
@@ -2903,7 +3131,9 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     const torch::Tensor* t = &layer_tensors[kPerLayer * l + (i < 2 ? 1 + 3 * i : 8 + 3 * (i - 2))];
     const int64_t kind = kinds[4 * l + i];
     TORCH_CHECK(kind > 0 || kHaveBf16Gemv, "bf16_decode_layers: this build has no AVX512-BF16 GEMV (bf16 and int8 linears)");
-    return DecodeLinear{t, t + 1, t + 2, kind};
+    DecodeLinear linear{t, t + 1, t + 2, kind};
+    if (!c12_weights.empty() && c12_weights[12 * l + 3 * i].numel() > 0) linear.c12 = &c12_weights[12 * l + 3 * i];
+    return linear;
   };
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* t = &layer_tensors[kPerLayer * l];
@@ -2974,7 +3204,10 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     add_lora(1, attn, attn_in);
     add_rms_norm_impl<c10::BFloat16>(h, x, x, &attn, t[7], eps);
     const bool kernel_mlp = gate_up.kind == 0 && down.kind == 0 && gate_up.bias->numel() == 0 && down.bias->numel() == 0;
-    if (kernel_mlp && !has_lora(2) && !has_lora(3)) {
+    if (kernel_mlp && !has_lora(2) && !has_lora(3) && gate_up.c12 && down.c12 && M <= kC12MaxRows) {
+      // bf16_silu_mlp's three steps on the 12-bit copies: the same bits.
+      mlp_out = down(silu_mul(gate_up(h)));
+    } else if (kernel_mlp && !has_lora(2) && !has_lora(3)) {
       // Both GEMVs, no biases: the model's bf16_silu_mlp, its SiLU-and-multiply included.
       if (!mlp_out.defined() || mlp_out.size(0) != M) mlp_out = torch::empty({M, hidden}, opts);
       bf16_silu_mlp(mlp_out, h, *gate_up.weight, *down.weight);
@@ -3115,6 +3348,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_silu_mlp", &bf16_silu_mlp, release());
   m.def("bf16_decode_layers", &bf16_decode_layers, release());
   m.def("argmax_head_logits", &argmax_head_logits, release());
+  m.def("pack_c12_weight", &pack_c12_weight, release());
+  m.def("c12_linear", &c12_linear, release());
+  m.def("c12_available", []() { return kHaveC12; });
   m.def("lora_add", &lora_add, release());
   m.def("silu_mul", &silu_mul, release());
   m.def("argmax_rows", &argmax_rows, release());

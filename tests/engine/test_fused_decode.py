@@ -97,7 +97,8 @@ def forward(model, fused, input_ids, positions, caches, meta):
 
 
 BATCHES = {
-    "one decode": [(45, 1)],
+    "one decode": [(45, 1)],  # one and two rows: the bf16 linears' 12-bit copies
+    "two decodes": [(45, 1), (7, 1)],
     "three decodes": [(45, 1), (3, 1), (90, 1)],
     "eight decodes": [(17 + 11 * i, 1) for i in range(8)],
     "twenty decodes": [(3 + 2 * i, 1) for i in range(20)],  # the many-row tiles (over 4 rows, 11 at a time)
@@ -116,6 +117,7 @@ def test_fused_decode_layers_equal_the_per_op_forward(arch, quantization, batch)
     fused = FusedDecodeLayers.build(model)
     assert fused is not None, f"{arch} {quantization}: the fused decode should run for this model"
     assert fused.kinds.count(0) == (len(fused.kinds) if quantization is None else 0)
+    assert (fused.c12 is not None) == (quantization is None and cpu_kernels.c12_available())
     input_ids, positions, caches, meta = make_step(model, BATCHES[batch])
     assert fused.runs(input_ids, caches, get_ops("cpu", torch.device("cpu")))
     expected, expected_caches = forward(model, None, input_ids, positions, caches, meta)
@@ -278,3 +280,27 @@ def test_a_greedy_step_with_no_sampled_row_returns_no_logits():
     input_ids, positions, caches, meta = make_step(model, BATCHES["one decode"])
     none = replace(meta, logits_indices=meta.logits_indices[:0], argmax_only=True)
     assert model.decode_logits(input_ids, positions, caches, none, ops).shape == (0, 4096)
+
+
+@pytest.mark.skipif(not cpu_kernels.c12_available(), reason="the 12-bit copies need AVX512-VBMI2")
+def test_the_12bit_copies_are_for_bias_free_bf16_linears_and_can_be_turned_off(monkeypatch):
+    """Qwen2's qkv has a bias: no copy (the other three linears have one); an INT4 model has
+    no bf16 linear; PAGODA_CPU_12BIT_WEIGHTS=0: none, and a one-row step's bits unchanged."""
+    model = make_model("qwen2")
+    fused = FusedDecodeLayers.build(model)
+    has_copy = [t.numel() > 0 for t in fused.c12[0::3]]
+    assert has_copy == [False, True, True, True] * model.args.num_hidden_layers
+    assert fused.c12_bytes < 0.8 * fused.c12_bf16_bytes
+    assert FusedDecodeLayers.build(make_model("llama", quantization="int4")).c12 is None
+    monkeypatch.setenv("PAGODA_CPU_12BIT_WEIGHTS", "0")
+    model = make_model("llama")
+    off = FusedDecodeLayers.build(model)
+    assert off.c12 is None
+    monkeypatch.delenv("PAGODA_CPU_12BIT_WEIGHTS")
+    on = FusedDecodeLayers.build(model)
+    input_ids, positions, caches, meta = make_step(model, BATCHES["one decode"])
+    expected = forward(model, off, input_ids, positions, caches, meta)[0]
+    assert torch.equal(forward(model, on, input_ids, positions, caches, meta)[0], expected)
+    # The one-row step does read the copies: one changed exponent changes its output.
+    on.c12[0][5] ^= 1
+    assert not torch.equal(forward(model, on, input_ids, positions, caches, meta)[0], expected)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kernels import cpu_kernels
-from kernels.greedy_head import greedy_head_copy, unpack_bf16_weight
+from kernels.cpu_kernels import unpack_bf16_weight
+from kernels.greedy_head import greedy_head_copy
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU kernels are built on Linux only"),

@@ -1,6 +1,6 @@
-"""`python -m loadtest.bench_decode_paths` runs the engine's CPU decode paths (the fused call,
-with the greedy LM head and with the whole head, and the per-op forward) on the bundled
-model and reports them against the bound."""
+"""`python -m loadtest.bench_decode_paths` runs the engine's CPU decode paths (the fused call;
+with the whole LM head; with the 16-bit weights instead of their 12-bit copies; the per-op
+forward) on the bundled model and reports them against the bound."""
 
 from __future__ import annotations
 
@@ -21,12 +21,16 @@ def test_bench_decode_paths_reports_every_path():
         [sys.executable, "-m", "loadtest.bench_decode_paths", "--rounds", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     ).stdout
-    rows = [line for line in out.splitlines() if line.startswith(("| fused |", "| fused, whole head |", "| per-op |"))]
-    assert len(rows) == 3, out
+    paths = ("| fused |", "| fused, whole head |", "| fused, 16-bit weights |", "| per-op |")
+    rows = [line for line in out.splitlines() if line.startswith(paths)]
+    c12 = cpu_kernels.c12_available()  # the 12-bit copies need AVX512-VBMI2 too
+    assert len(rows) == (4 if c12 else 3), out
     assert "| fused | " in rows[0] and "| 1.00x |" in rows[0], out
-    # The bundled model's bf16 decode reads (tied head once); the greedy head's int8 copy
-    # (49,152 x 576 bytes and 6 bytes a row) in place of the bf16 head's 57 MB.
-    assert "weights read per step 269 MB (241 MB with the greedy head)" in out, out
+    # The bundled model's bf16 decode reads (tied head once); on the fused path the greedy
+    # head's int8 copy (49,152 x 576 bytes and 6 bytes a row) in place of the bf16 head's 57
+    # MB, and the layers' 12-bit copies (212 -> 160 MB) in place of their bf16 weights.
+    fused = "189 MB on the fused path: greedy head, 12-bit copies" if c12 else "241 MB on the fused path: greedy head"
+    assert f"weights read per step 269 MB ({fused})" in out, out
 
 
 @pytest.mark.skipif(not cpu_kernels.bf16_gemv_available(), reason="the fused decode call needs AVX512-BF16")
@@ -39,4 +43,5 @@ def test_bench_decode_paths_times_a_step_of_several_rows():
     assert "3-row decode step, bfloat16" in out, out
     rows = [line for line in out.splitlines() if line.startswith(("| fused |", "| fused, whole head |", "| per-op |"))]
     assert len(rows) == 3 and "| 1.00x |" in rows[0], out
+    assert "16-bit weights" not in out, out  # three rows read the bf16 weights: no such path
     assert "read bound" not in out and ", bound " not in out, out
