@@ -37,8 +37,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 
 
-def _own_cgroup_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
-    """(the cgroup v2 path, the v1 `cpu` controller's path) of this process, from
+def _own_cgroup_paths(proc_cgroup: Path, controller: str = "cpu") -> tuple[str | None, str | None]:
+    """(the cgroup v2 path, the v1 `controller`'s path) of this process, from
     /proc/self/cgroup ("0::/a/b" and "4:cpu,cpuacct:/a/b"); None where a line is missing.
     Inside a container with its own cgroup namespace both read "/"."""
     v2 = v1 = None
@@ -53,7 +53,7 @@ def _own_cgroup_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
         _, controllers, path = parts
         if controllers == "":
             v2 = path
-        elif "cpu" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1 = path
     return v2, v1
 

@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_bytes
 from engine.loader import load_hf_config, load_model
 from engine.memory import profile_kv_cache_budget, take_snapshot
+from engine.host_memory import available_host_memory
 from engine.models.llama import FusedDecodeLayers, Linear, LlamaForCausalLM, ModelArgs, prepack_linears
 from engine.prompt_logprobs import PromptLogprobRows, chunked_logits
 from engine.quantization.linears import Int4Linear, Int8Linear
@@ -40,6 +41,10 @@ FLOP on CPU through torch's flash kernel (80-130 GFLOP/s against oneDNN's ~400 h
 CPU_BLOCKED_ATTENTION_SLOWDOWN = 1.25
 """The same through the C++ kernel's blocked bf16 loop (kernels/cpu_kernels.py: bf16 on
 AVX512-BF16 CPUs), ~300-320 GFLOP/s on long chunks in the same benchmark."""
+C12_HEADROOM_BYTES = 1 << 30
+"""Host memory kept free beyond the weights, their 12-bit copies and the KV cache: a step's
+activations and logits, the tokenizer, the server and whatever else the machine runs. The
+copies (engine/models/llama.py `FusedDecodeLayers`) are made only where they fit within it."""
 
 
 @dataclass(slots=True)
@@ -69,8 +74,6 @@ class Worker:
         # On CPU each float weight held once, in the layout its kernel reads: the C++ bf16
         # kernel's (bf16 on AVX512-BF16: one arithmetic at every row count) or oneDNN's.
         self.num_packed_linears, self.num_shared_linears = prepack_linears(self.model)
-        if self.device.type == "cpu" and self.layout is None and isinstance(self.model, LlamaForCausalLM):  # one process's whole model, bf16 GEMV linears
-            self.model.fused_decode = FusedDecodeLayers.build(self.model, invariant)
         self.ops: KernelOps = get_ops(config.kernel.kernel_backend, self.device, invariant)
         if invariant:  # the Triton weight-only GEMMs' one config at every row count
             for module in self.model.modules():
@@ -80,6 +83,13 @@ class Worker:
         _check_kv_cache_dtype(spec, config.cache.kv_cache_dtype, self.ops.backend)
         self.kv_spec = self.layout.kv_cache_spec(spec) if self.layout is not None else spec  # this rank's KV heads
         self.num_blocks = self._num_kv_blocks(snapshot, log)
+        if self.device.type == "cpu" and self.layout is None and isinstance(self.model, LlamaForCausalLM):  # one process's whole model, bf16 GEMV linears
+            # Its 12-bit weight copies only where they fit beside the KV cache about to be
+            # allocated and a headroom for activations and the server (engine/host_memory.py).
+            free, self.host_memory = available_host_memory()
+            kv_bytes = (self.num_blocks + 1) * self.kv_spec.bytes_per_block
+            budget = None if free is None else free - kv_bytes - C12_HEADROOM_BYTES
+            self.model.fused_decode = FusedDecodeLayers.build(self.model, invariant, budget)
         # One block more than the block manager hands out: the pad block, where the padding
         # rows of a decode batch replayed from a CUDA graph write (engine/cuda_graphs.py).
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks + 1, self.device)
@@ -207,6 +217,7 @@ class Worker:
                 "(PAGODA_CPU_FUSED_DECODE=0: the per-op forward)"
                 + (f"; steps of 1-2 rows read the bf16 linears' lossless 12-bit copy ({fused.c12_bytes / 2**20:.0f} MiB "
                    "more; PAGODA_CPU_12BIT_WEIGHTS=0: off)" if fused.c12 is not None else "")
+                + (f"; {fused.c12_skipped} (host: {self.host_memory})" if fused.c12_skipped else "")
                 if fused is not None
                 else "the per-op forward (the fused C++ call takes Llama/Mistral/Qwen2 blocks in bf16 with GEMV, "
                      "int4 or int8 linears on an AVX512-BF16 CPU, in one process)"

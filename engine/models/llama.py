@@ -332,7 +332,8 @@ class FusedDecodeLayers:
     the head dim one the C++ attention's bf16 loops take, and the C++ kernels built with
     AVX512-BF16. `PAGODA_CPU_FUSED_DECODE=0` turns it off (the per-op path, for A/B runs)."""
 
-    def __init__(self, model: "LlamaForCausalLM", batch_invariant: bool = False) -> None:
+    def __init__(self, model: "LlamaForCausalLM", batch_invariant: bool = False,
+                 c12_budget_bytes: int | None = None) -> None:
         args = model.args
         self.batch_invariant = batch_invariant  # attention's route, as the per-op forward's ops take it
         self.num_heads, self.num_kv_heads = args.num_attention_heads, args.num_key_value_heads
@@ -376,18 +377,34 @@ class FusedDecodeLayers:
         # Each bias-free bf16 linear's lossless 12-bit copy, which steps of 1-2 rows read
         # instead (the same bits from 3/4 of the bytes: a one-stream decode streams the
         # weights, so it is that much shorter), held beside the bf16 copy the larger steps
-        # compute from. PAGODA_CPU_12BIT_WEIGHTS=0: none (A/B; the memory back).
+        # compute from. Made only where it fits: `c12_budget_bytes` is what the host can still
+        # give after the KV cache and a headroom (engine/worker.py, engine/host_memory.py);
+        # None: no limit. PAGODA_CPU_12BIT_WEIGHTS=0: none (A/B; the memory back); =1: made
+        # whatever the budget.
         self.c12: list[torch.Tensor] | None = None
         self.c12_bytes = 0  # the copies' bytes
         self.c12_bf16_bytes = 0  # the bf16 weights' bytes they stand in for
-        if (os.environ.get("PAGODA_CPU_12BIT_WEIGHTS", "1") != "0" and 0 in self.kinds
-                and cpu_kernels.c12_available()):
+        self.c12_skipped: str | None = None  # why there is no copy where one could run
+        setting = os.environ.get("PAGODA_CPU_12BIT_WEIGHTS", "auto")
+        layers_linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj) for layer in model.model.layers]
+        copied = [[type(linear) is Linear and linear.bias is None for linear in linears] for linears in layers_linears]
+        if setting != "0" and any(map(any, copied)) and cpu_kernels.c12_available():
+            need = sum(cpu_kernels.c12_copy_bytes(*linear.kernel_weight.shape)
+                       for linears, flags in zip(layers_linears, copied) for linear, flag in zip(linears, flags) if flag)
+            if setting != "1" and c12_budget_bytes is not None and need > c12_budget_bytes:
+                self.c12_skipped = (f"no 12-bit copy: it needs {need / 2**20:.0f} MiB, "
+                                    f"{max(c12_budget_bytes, 0) / 2**20:.0f} MiB are free beside the KV cache "
+                                    "and the headroom (PAGODA_CPU_12BIT_WEIGHTS=1 makes it anyway)")
+                copied = []
+        else:
+            copied = []
+        if copied:
             self.c12 = []
             empty = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int16), torch.empty(0, dtype=torch.int64)]
-            for layer in model.model.layers:
-                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                               layer.mlp.down_proj):
-                    if type(linear) is Linear and linear.bias is None:
+            for linears, flags in zip(layers_linears, copied):
+                for linear, flag in zip(linears, flags):
+                    if flag:
                         copy = cpu_kernels.pack_c12_weight(cpu_kernels.unpack_bf16_weight(linear.kernel_weight))
                         self.c12 += copy
                         self.c12_bytes += sum(t.numel() * t.element_size() for t in copy)
@@ -410,7 +427,8 @@ class FusedDecodeLayers:
             self.kinds.append(-1)
 
     @classmethod
-    def build(cls, model: "LlamaForCausalLM", batch_invariant: bool = False) -> "FusedDecodeLayers | None":
+    def build(cls, model: "LlamaForCausalLM", batch_invariant: bool = False,
+              c12_budget_bytes: int | None = None) -> "FusedDecodeLayers | None":
         if os.environ.get("PAGODA_CPU_FUSED_DECODE", "1") == "0" or not cpu_kernels.bf16_gemv_available():
             return None
         args = model.args
@@ -434,7 +452,7 @@ class FusedDecodeLayers:
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if not _decode_kernel_runs(linear):
                     return None
-        return cls(model, batch_invariant)
+        return cls(model, batch_invariant, c12_budget_bytes)
 
     def runs(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: KernelOps) -> bool:
         """Whether this step's layers go through the C++ call: any rows (tokens) on the C++

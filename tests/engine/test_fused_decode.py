@@ -304,3 +304,26 @@ def test_the_12bit_copies_are_for_bias_free_bf16_linears_and_can_be_turned_off(m
     # The one-row step does read the copies: one changed exponent changes its output.
     on.c12[0][5] ^= 1
     assert not torch.equal(forward(model, on, input_ids, positions, caches, meta)[0], expected)
+
+
+@pytest.mark.skipif(not cpu_kernels.c12_available(), reason="the 12-bit copies need AVX512-VBMI2")
+def test_the_12bit_copies_are_made_only_where_they_fit(monkeypatch):
+    """`c12_budget_bytes` (what the host can still give beside the KV cache: engine/worker.py)
+    one byte short of the copies' size: none, and why; exactly their size: made;
+    PAGODA_CPU_12BIT_WEIGHTS=1 makes them whatever the budget. `c12_copy_bytes` is each copy's
+    size but for its exceptions (2 bytes each)."""
+    model = make_model("llama")
+    unlimited = FusedDecodeLayers.build(model)
+    exception_bytes = sum(t.numel() * t.element_size() for t in unlimited.c12[1::3])
+    need = unlimited.c12_bytes - exception_bytes
+    assert need == sum(cpu_kernels.c12_copy_bytes(*t.shape) for t in unlimited.tensors if t.dim() == 2)
+    tight = FusedDecodeLayers.build(model, c12_budget_bytes=need - 1)
+    assert tight.c12 is None
+    assert tight.c12_skipped.startswith(f"no 12-bit copy: it needs {need / 2**20:.0f} MiB"), tight.c12_skipped
+    fits = FusedDecodeLayers.build(model, c12_budget_bytes=need)
+    assert fits.c12 is not None and fits.c12_skipped is None and fits.c12_bytes == unlimited.c12_bytes
+    monkeypatch.setenv("PAGODA_CPU_12BIT_WEIGHTS", "1")
+    assert FusedDecodeLayers.build(model, c12_budget_bytes=0).c12 is not None
+    monkeypatch.setenv("PAGODA_CPU_12BIT_WEIGHTS", "0")
+    off = FusedDecodeLayers.build(model)
+    assert off.c12 is None and off.c12_skipped is None
