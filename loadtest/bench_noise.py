@@ -32,7 +32,9 @@ at nice 19), and measured with it are
 - `c=32`: 32 concurrent requests, output tokens / wall time;
 
 every request `--output-len` (64) greedy tokens with `ignore_eos` on a `--input-len`-token
-random prompt, the same prompts for every server, each token's arrival timed as it streams;
+random prompt, the same prompts for every server and fresh ones for each condition (a server
+measured under several would otherwise find the earlier condition's prompts in its prefix
+cache and skip their prefill), each token's arrival timed as it streams;
 a measurement longer than `--cap` seconds (a server a neighbour slows a hundredfold) is
 stopped and its rate taken over what it received (marked `capped`). `--rounds` repeats the servers in
 alternating order. Reported: each figure, Pagoda / llama.cpp under the same condition, and
@@ -267,6 +269,16 @@ async def capped_workload(url: str, model: str | None, requests, concurrency: in
             "mean_itl_ms": round(1000 * means[len(means) // 2], 2) if means else None, "capped": capped}
 
 
+def noise_workloads(spec: DatasetSpec, itl_requests: int, streams: int, source: TextSource) -> dict[str, tuple]:
+    """Each noise condition's (c=1 requests, c=`streams` requests), prompts of their own: a
+    server measured under several conditions keeps the earlier ones' prompts in its prefix
+    cache (Pagoda's, llama.cpp's slots), and the same prompts again would skip their
+    prefill. The same seeds for every server: each gets the same sets."""
+    return {noise: (build_dataset(spec, itl_requests, seed=1 + 100 * i, source=source),
+                    build_dataset(spec, streams, seed=2 + 100 * i, source=source))
+            for i, noise in enumerate(NOISE)}
+
+
 def measure(url: str, model: str | None, one, many, streams: int, cap_s: float) -> dict:
     c1 = asyncio.run(capped_workload(url, model, one, 1, cap_s))
     cn = asyncio.run(capped_workload(url, model, many, streams, cap_s))
@@ -274,10 +286,10 @@ def measure(url: str, model: str | None, one, many, streams: int, cap_s: float) 
             "capped": c1["capped"] or cn["capped"]}
 
 
-def run_server(spec: ServerSpec, ns: argparse.Namespace, one, many, warm, log_dir: Path,
+def run_server(spec: ServerSpec, ns: argparse.Namespace, workloads: dict[str, tuple], warm, log_dir: Path,
                noises: list[str], wrap=None) -> dict:
     """Start `spec` (through `wrap(command)` when given: under taskset, into a cgroup), warm
-    it, measure it under each noise, stop it."""
+    it, measure it under each noise with that noise's (c=1, c=N) requests, stop it."""
     if wrap is not None:
         spec = ServerSpec(spec.name, wrap(list(spec.command)), spec.model, spec.env, spec.ready_paths)
     print(f"[noise] {spec.name}: {spec.display_command()} (load average {os.getloadavg()[0]:.2f})",
@@ -289,7 +301,7 @@ def run_server(spec: ServerSpec, ns: argparse.Namespace, one, many, warm, log_di
         asyncio.run(capped_workload(server.url, spec.model, warm, 2, ns.cap))
         for noise in noises:
             with Neighbour(NOISE[noise]):
-                out[noise] = measure(server.url, spec.model, one, many, ns.streams, ns.cap)
+                out[noise] = measure(server.url, spec.model, *workloads[noise], ns.streams, ns.cap)
             print(f"[noise]   {noise}: c=1 ITL {out[noise]['c1_itl_ms']} ms, "
                   f"c={ns.streams} {out[noise][f'c{ns.streams}_tok_s']} tok/s"
                   f"{' (capped)' if out[noise]['capped'] else ''}", file=sys.stderr, flush=True)
@@ -301,7 +313,7 @@ def run_server(spec: ServerSpec, ns: argparse.Namespace, one, many, warm, log_di
     return out
 
 
-def quota_part(model: Path, ns: argparse.Namespace, one, many, warm) -> dict | None:
+def quota_part(model: Path, ns: argparse.Namespace, workloads: dict[str, tuple], warm) -> dict | None:
     """Pagoda in a cgroup with a quota of one CPU (2 CPUs in its affinity mask): its own
     thread choice, `--cpu-threads 1` and `--cpu-threads 2` (what not noticing the quota
     would cost), each in a fresh cgroup; None where no cgroup can be made here."""
@@ -315,7 +327,7 @@ def quota_part(model: Path, ns: argparse.Namespace, one, many, warm) -> dict | N
                 print("[noise] quota part skipped: no cgroup can be made here", file=sys.stderr)
                 return None
             spec = pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args) + flags)
-            out[key] = run_server(spec, ns, one, many, warm, ns.out / "logs", ["none"], wrap=wrap)
+            out[key] = run_server(spec, ns, workloads, warm, ns.out / "logs", ["none"], wrap=wrap)
     return out
 
 
@@ -390,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         source = TextSource(bundled)
         spec = DatasetSpec("random", input_len=LengthRange(ns.input_len, ns.input_len),
                            output_len=LengthRange(ns.output_len, ns.output_len))
-        one = build_dataset(spec, ns.itl_requests, seed=1, source=source)
-        many = build_dataset(spec, ns.streams, seed=2, source=source)
+        workloads = noise_workloads(spec, ns.itl_requests, ns.streams, source)
+        many = workloads["none"][1]
         warm = build_dataset(DatasetSpec("random", input_len=LengthRange(ns.input_len, ns.input_len),
                                          output_len=LengthRange(8, 8)), 4, seed=3, source=source)
         for weights in ns.weights:
@@ -415,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                         if isinstance(s, Skipped):
                             print(f"[noise] {s.name} skipped: {s.reason}", file=sys.stderr)
                             continue
-                        got[name] = run_server(s, ns, one, many, warm, ns.out / "logs", ns.noise)
+                        got[name] = run_server(s, ns, workloads, warm, ns.out / "logs", ns.noise)
                     per_model["rounds"].append(got)
                 if peaks:
                     peaks.append(gemm_peak_gflops())
@@ -424,14 +436,14 @@ def main(argv: list[str] | None = None) -> int:
                 def cpu0(command: list[str]) -> list[str]:
                     return ["taskset", "-c", "0", *command]
 
-                auto = run_server(pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args)), ns, one, many, warm,
+                auto = run_server(pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args)), ns, workloads, warm,
                                   ns.out / "logs", ["none"], wrap=cpu0)
                 by_hand = run_server(
                     pagoda_spec(model, "bfloat16", shlex.split(ns.pagoda_args) + ["--cpu-threads", "1"]),
-                    ns, one, many, warm, ns.out / "logs", ["none"], wrap=cpu0)
+                    ns, workloads, warm, ns.out / "logs", ["none"], wrap=cpu0)
                 per_model["limit"] = {"auto": auto, "cpu_threads_1": by_hand}
             if "quota" in ns.parts and weights == "bf16":
-                per_model["quota"] = quota_part(model, ns, one, many, warm)
+                per_model["quota"] = quota_part(model, ns, workloads, warm)
             results[label] = per_model
 
     n = ns.streams

@@ -52,3 +52,22 @@ def test_a_request_counts_its_prompt_rows_once_and_the_head_on_its_last_row_only
 
     size = ModelSize(num_params=100, matmul_params=100, num_layers=1, num_heads=1, head_dim=1, head_params=10)
     assert request_flops(size, 2, 3) == 392 + 428
+
+
+def test_each_noise_condition_gets_prompts_of_its_own_and_every_server_the_same(default_model_path):
+    """A server measured quiet and then beside a neighbour would find the quiet run's prompts
+    in its prefix cache and skip their prefill: each condition's prompts differ, and a second
+    call (the next server) gives the same ones."""
+    from loadtest.bench_noise import NOISE, noise_workloads
+    from loadtest.datasets import DatasetSpec, LengthRange, TextSource
+
+    spec = DatasetSpec("random", input_len=LengthRange(32, 32), output_len=LengthRange(64, 64))
+    source = TextSource(default_model_path)
+    first = noise_workloads(spec, 3, 8, source)
+    assert set(first) == set(NOISE)
+    prompts = {noise: [r.prompt for r in one + many] for noise, (one, many) in first.items()}
+    assert all(len(p) == 3 + 8 for p in prompts.values())
+    seen = [prompt for p in prompts.values() for prompt in p]
+    assert len(set(map(str, seen))) == len(seen)  # no prompt in two conditions (or twice in one)
+    again = noise_workloads(spec, 3, 8, source)
+    assert {noise: [r.prompt for r in one + many] for noise, (one, many) in again.items()} == prompts
