@@ -1890,16 +1890,29 @@ inline void store_group(__m512 lo, __m512 hi, const uint16_t* bias, const uint16
   _mm512_mask_storeu_epi16(y + n0, mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
+// Weight bytes [next, end) that a many-row tile pulls into L2 while it computes from lines
+// already there (schedule_packed_linear: its share of the next group), a few lines per
+// input pair, spread evenly over the tile's loop; empty: none. Where data is read from never
+// changes the arithmetic.
+struct L2Prefetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+};
+
 // x rows [0, MR) (row stride ldx >= K) against G adjacent groups starting at `pg`, outputs from n0.
 template <int MR, int G, typename T>
 inline void linear_tile(const uint16_t* __restrict x, int64_t ldx, const T* __restrict pg,
                         const uint16_t* __restrict bias, const uint16_t* __restrict scale, uint16_t* __restrict y,
-                        int64_t K, int64_t N, int64_t n0) {
+                        int64_t K, int64_t N, int64_t n0, L2Prefetch pf = {}) {
   const int64_t Kp = (K + 1) / 2, full = K / 2, group_stride = Kp * kPairLine;
+  const int64_t pf_per_kp = (((pf.end - pf.next) + 63) / 64 + Kp - 1) / Kp;
   __m512 acc[MR][2 * G];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < Kp; ++kp) {
+    if (MR > 4) {
+      for (int64_t i = 0; i < pf_per_kp && pf.next < pf.end; ++i, pf.next += 64) _mm_prefetch(pf.next, _MM_HINT_T1);
+    }
     if (MR <= 4) {  // a weight stream: keep lines in flight past what the prefetcher does alone
       for (int g = 0; g < G; ++g) {
         _mm_prefetch(reinterpret_cast<const char*>(pg + g * group_stride + kp * kPairLine + kPrefetchL2Ahead), _MM_HINT_T1);
@@ -1940,8 +1953,8 @@ inline void with_tile_rows(int64_t mb, const F& f) {
 // x rows [0, mb) (mb in 1..11) against one group.
 template <typename T>
 inline void linear_rows(int64_t mb, const uint16_t* x, int64_t ldx, const T* pg, const uint16_t* bias,
-                        const uint16_t* scale, uint16_t* y, int64_t K, int64_t N, int64_t n0) {
-  with_tile_rows<11>(mb, [&](auto rows) { linear_tile<decltype(rows)::value, 1>(x, ldx, pg, bias, scale, y, K, N, n0); });
+                        const uint16_t* scale, uint16_t* y, int64_t K, int64_t N, int64_t n0, L2Prefetch pf = {}) {
+  with_tile_rows<11>(mb, [&](auto rows) { linear_tile<decltype(rows)::value, 1>(x, ldx, pg, bias, scale, y, K, N, n0, pf); });
 }
 
 // x rows [0, mb) (mb in 1..4) against two adjacent groups: four chains per row.
@@ -1955,6 +1968,8 @@ constexpr int64_t kTileRows = 11;            // x rows per register tile (22 acc
 constexpr int64_t kPassRows = 64;            // x rows per pass over a chunk of groups (they stay in L1/L2)
 constexpr int64_t kChunkBytes = 256 * 1024;  // weight bytes per chunk of groups (it stays in L2 for every pass)
 constexpr int64_t kPieceBytes = 128 * 1024;  // few rows: weight bytes per piece the threads claim (~10 us each)
+constexpr int64_t kL2Budget = 768 * 1024;    // bytes a thread's tiles may keep in L2 (1-2 MB a core)
+constexpr int64_t kPrefetchPieceBytes = 512 * 1024;  // 5-64 rows, prefetching: weight bytes per piece
 
 // x's rows as the many-row tiles read them. Rows 2 KB apart (or a multiple: K = 2048, 4096, ...)
 // put the same pair of every row in the same few of L1's 64 sets of 64 bytes, so a tile's 11
@@ -1984,17 +1999,44 @@ inline const uint16_t* unaliased_rows(const uint16_t* x, int64_t M, int64_t K, i
 // head's shapes). Which tile computes an output never changes its arithmetic.
 template <typename One, typename Two>
 void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t tile_rows, int64_t pair_rows,
-                            const One& one, const Two& two) {
+                            const One& one, const Two& two, const char* prefetch_base = nullptr, int64_t x_bytes = 0) {
   const int64_t groups = (N + kGroup - 1) / kGroup;
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / group_bytes);
+  // One pass over each group in two or more tiles (12 to kPassRows rows: a decode step of
+  // many sequences): the group's first tile reads it from memory, the others from L2, so the
+  // weight came in bursts at up to `tiles` times the average rate (32 rows: 3x, about what
+  // the machine's memory gives two cores) and the first tile waited on it. With `prefetch_base` (the
+  // packed weight) each tile of group g also pulls its share of group g + 1 into L2
+  // (L2Prefetch), so the weight streams in at an even rate behind the arithmetic; a piece is
+  // then several groups long (its first group is not prefetched). Only where the two groups
+  // and x's rows fit the L2 budget (the 1B-class model's down projection, 352 KB groups
+  // beside 360 KB of x at 32 rows, does not: it lost ~4% to the evictions). 32 rows on the
+  // 1B-class shapes, streaming from memory: 1.04-1.09x (docs/BENCHMARKS.md, "An even weight
+  // stream at 5-64 rows").
+  const bool prefetch = prefetch_base && M > tile_rows && M <= kPassRows && 2 * group_bytes + x_bytes <= kL2Budget;
   auto run = [&](int64_t g_lo, int64_t g_hi) {
+    if (prefetch) {
+      for (int64_t g = g_lo; g < g_hi; ++g) {
+        for (int64_t m = 0; m < M; m += tile_rows) {
+          const int64_t mb = std::min(tile_rows, M - m);
+          L2Prefetch pf;
+          if (g + 1 < g_hi) {  // the tile's share of the next group, in proportion to its rows
+            const char* next = prefetch_base + (g + 1) * group_bytes;
+            pf.next = next + group_bytes * m / M / 64 * 64;
+            pf.end = next + group_bytes * (m + mb) / M / 64 * 64;
+          }
+          one(g, m, mb, pf);
+        }
+      }
+      return;
+    }
     if (M <= 4) {
       for (int64_t g = g_lo; g < g_hi; ++g) {
         if (M <= pair_rows && g + 1 < g_hi) {  // two groups at a time: twice the chains in flight
           two(g);
           ++g;
         } else {
-          one(g, 0, M);
+          one(g, 0, M, L2Prefetch{});
         }
       }
       return;
@@ -2004,12 +2046,17 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
       for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
         const int64_t m1 = std::min(M, m0 + kPassRows);
         for (int64_t g = c0; g < c1; ++g)
-          for (int64_t m = m0; m < m1; m += tile_rows) one(g, m, std::min(tile_rows, m1 - m));
+          for (int64_t m = m0; m < m1; m += tile_rows) one(g, m, std::min(tile_rows, m1 - m), L2Prefetch{});
       }
     }
   };
   if (M > 4) {
-    parallel_ranges(groups, chunk, run);
+    // Prefetching: longer pieces (a piece's first group is not prefetched), but still at
+    // least 4 a thread, or a short call's last piece leaves a thread idle.
+    const int64_t piece = prefetch ? std::max<int64_t>(chunk, std::min(kPrefetchPieceBytes / group_bytes,
+                                                                       groups / (4 * kernel_threads())))
+                                   : chunk;
+    parallel_ranges(groups, piece, run);
     return;
   }
   // Few rows: ranges of whole pairs of groups (two at a time), at least 4 ranges a thread.
@@ -2028,12 +2075,12 @@ void packed_linear_impl(const uint16_t* x, const T* packed, const uint16_t* bias
   x = unaliased_rows(x, M, K, ldx);
   schedule_packed_linear(
       M, N, group_stride * static_cast<int64_t>(sizeof(T)), kTileRows, 4,
-      [&](int64_t g, int64_t m, int64_t mb) {
-        linear_rows(mb, x + m * ldx, ldx, packed + g * group_stride, bias, scale, y + m * N, K, N, g * kGroup);
+      [&](int64_t g, int64_t m, int64_t mb, L2Prefetch pf) {
+        linear_rows(mb, x + m * ldx, ldx, packed + g * group_stride, bias, scale, y + m * N, K, N, g * kGroup, pf);
       },
       [&](int64_t g) {
         linear_rows_two_groups(M, x, ldx, packed + g * group_stride, bias, scale, y, K, N, g * kGroup);
-      });
+      }, reinterpret_cast<const char*>(packed), M * ldx * static_cast<int64_t>(sizeof(uint16_t)));
 }
 
 void bf16_linear_impl(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
@@ -2142,7 +2189,7 @@ void c12_linear_impl(const uint16_t* x, const uint8_t* packed, const uint16_t* e
     uint16_t* ym = y + m0 * N;
     schedule_packed_linear(
         mb, N, gs, 4, 2,
-        [&](int64_t g, int64_t, int64_t rows) {
+        [&](int64_t g, int64_t, int64_t rows, L2Prefetch) {
           const uint16_t* exc[1] = {exceptions + offsets[g]};
           with_tile_rows<4>(rows, [&](auto r) { c12_tile<decltype(r)::value, 1>(xm, packed + g * gs, exc, ym, K, N, g * kGroup); });
         },
@@ -2399,7 +2446,7 @@ void int4_linear_impl(const uint16_t* x, const uint8_t* packed, uint16_t* y, int
   // x read in place (no unaliased_rows): 6-row tiles fit in L1's 8 ways, and the copy did not pay.
   schedule_packed_linear(
       M, N, gs, 6, 2,
-      [&](int64_t g, int64_t m, int64_t mb) {
+      [&](int64_t g, int64_t m, int64_t mb, L2Prefetch) {
         int4_rows(mb, x + m * K, xs + m * (K / gk), packed + g * gs, gs, y + m * N, K, N, g * kGroup, gk);
       },
       [&](int64_t g) {
@@ -2966,6 +3013,23 @@ torch::Tensor argmax_head_logits(const torch::Tensor& x, const torch::Tensor& he
   return logits;
 }
 
+// Rows `index[r]` (index nullptr: rows 0..R) of a [*, n] bf16 matrix `src` with row stride
+// `stride`, into a new contiguous [R, n] one, on the calling thread. The fused decode call's
+// few copies (the embeddings' rows, a step's queries, the rows that sample) were ATen ops
+// (index_select, contiguous), which run on OpenMP's team from ~32K elements (16 rows of the
+// 1B-class model): where OpenMP's idle threads spin (OMP_WAIT_POLICY unset: `--quantization
+// int4`, a program that imported torch before the engine) they then took the cores the work
+// pool's next loops needed, and a 32-row step of the 1B-class model took 1.5x as long.
+// These copies are a few hundred KB at most: a thread does them in microseconds.
+torch::Tensor gather_rows(const torch::Tensor& src, int64_t stride, const int64_t* index, int64_t R, int64_t n) {
+  torch::Tensor out = torch::empty({R, n}, src.options());
+  const auto* from = reinterpret_cast<const uint16_t*>(src.data_ptr());
+  auto* to = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t r = 0; r < R; ++r)
+    std::memcpy(to + r * n, from + (index ? index[r] : r) * stride, n * sizeof(uint16_t));
+  return out;
+}
+
 // One linear of a fused decode layer (bf16_decode_layers): its weight and how to apply it.
 // kind 0: a bf16 weight [N, K] packed by pack_bf16_weight, through bf16_linear_impl; kind > 0:
 // int4 packed by pack_int4_weight with input groups of `kind`, through int4_linear_impl;
@@ -3162,7 +3226,7 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
   const auto opts = embedding.options();
   torch::Tensor out = torch::empty({R, hidden}, opts);
   if (M == 0) return logits ? torch::empty({0, lm_head.size(0)}, opts.dtype(at::kFloat)) : out;
-  torch::Tensor x = embedding.index_select(0, input_ids);  // the residual stream: the embeddings first
+  torch::Tensor x = gather_rows(embedding, hidden, ids, M, hidden);  // the residual stream: the embeddings first
   auto bt = block_tables.contiguous();
   torch::Tensor h = torch::empty({M, hidden}, opts);
   torch::Tensor mlp_out;  // the previous layer's MLP output: added to x by the next norm
@@ -3190,7 +3254,7 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
     reshape_and_cache(qkv.narrow(1, H * D, Hkv * D).view({M, Hkv, D}),
                       qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({M, Hkv, D}), kv_caches[2 * l], kv_caches[2 * l + 1],
                       slot_mapping);
-    torch::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({M, H, D});
+    torch::Tensor q = gather_rows(qkv, qkv.size(1), nullptr, M, H * D).view({M, H, D});
     torch::Tensor o = torch::empty_like(q);
     if (kv_caches[2 * l].scalar_type() == at::kChar) {
       paged_attention_int8(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc, scale,
@@ -3231,9 +3295,14 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
   // The last layer's `x + mlp(h)`, then the final norm of the rows that sample: the
   // model's `norm(x[rows])` through add_rms_norm with no add, the per-op forward's kernel
   // on this backend (LlamaForCausalLM.final_norm).
-  if (mlp_out.defined()) x.add_(mlp_out);
-  torch::Tensor rows = x.index_select(0, out_rows);
-  add_rms_norm_impl<c10::BFloat16>(out, rows, rows, nullptr, final_norm, eps);
+  // (Only the rows that sample: their sum, rounded as torch's add rounds it, then the norm.)
+  torch::Tensor rows = gather_rows(x, hidden, out_row, R, hidden);
+  if (mlp_out.defined()) {
+    const torch::Tensor last = gather_rows(mlp_out, hidden, out_row, R, hidden);
+    add_rms_norm_impl<c10::BFloat16>(out, rows, rows, &last, final_norm, eps);
+  } else {
+    add_rms_norm_impl<c10::BFloat16>(out, rows, rows, nullptr, final_norm, eps);
+  }
   if (!logits) return out;
 #if defined(__AVX512BF16__)
   if (!argmax_head.empty() && !int8_head && R <= kArgmaxHeadRows) {

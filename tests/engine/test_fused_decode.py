@@ -132,6 +132,30 @@ def test_fused_decode_layers_equal_the_per_op_forward(arch, quantization, batch)
     assert not torch.equal(other, expected)
 
 
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_the_call_runs_no_torch_copy_on_openmps_team(quantization):
+    """The call's torch ops are allocations and views: its copies (the embeddings' rows, the
+    queries out of the QKV output, the rows that sample) are its own loops. The ATen copies
+    they were (index_select, contiguous, add_) run on OpenMP's team from ~32K elements, and
+    where OpenMP's idle threads spin (OMP_WAIT_POLICY unset: `--quantization int4`, a
+    program that imported torch before the engine) they then held the cores the work pool
+    needed: a 32-row step of the 1B-class model took 1.5x as long. The INT4 MLP's SiLU and
+    product stay torch's ops (the per-op forward's bits)."""
+    model = make_model("llama", quantization=quantization)
+    fused = FusedDecodeLayers.build(model)
+    input_ids, positions, caches, meta = make_step(model, BATCHES["twenty decodes"])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        hidden = fused(input_ids, positions, caches, meta)
+    assert hidden.shape == (20, model.args.hidden_size)
+    ran = {event.key for event in prof.key_averages()}
+    allowed = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::view", "aten::narrow",
+               "aten::slice", "aten::select", "aten::as_strided", "aten::item", "aten::_local_scalar_dense"}
+    if quantization == "int4":
+        allowed |= {"aten::silu", "aten::mul"}
+    assert ran <= allowed, sorted(ran - allowed)
+    assert "aten::empty" in ran  # the profiler did see the call's ops
+
+
 def test_the_call_takes_steps_of_any_size_on_the_cpu_backend_only():
     model = make_model("llama")
     fused = FusedDecodeLayers.build(model)
