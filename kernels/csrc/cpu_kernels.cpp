@@ -2010,9 +2010,10 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
   // (L2Prefetch), so the weight streams in at an even rate behind the arithmetic; a piece is
   // then several groups long (its first group is not prefetched). Only where the two groups
   // and x's rows fit the L2 budget (the 1B-class model's down projection, 352 KB groups
-  // beside 360 KB of x at 32 rows, does not: it lost ~4% to the evictions). 32 rows on the
-  // 1B-class shapes, streaming from memory: 1.04-1.09x (docs/BENCHMARKS.md, "An even weight
-  // stream at 5-64 rows").
+  // beside 360 KB of x at 32 rows, does not: it lost ~5% to the evictions in a development
+  // run). 2-6% on the 1B-class shapes at 32-64 rows, streaming from memory (docs/BENCHMARKS.md,
+  // "An even weight stream at 12-64 rows"); one tile (up to 11 rows, a weight stream already)
+  // lost 13% to it, so it needs two.
   const bool prefetch = prefetch_base && M > tile_rows && M <= kPassRows && 2 * group_bytes + x_bytes <= kL2Budget;
   auto run = [&](int64_t g_lo, int64_t g_hi) {
     if (prefetch) {
@@ -3017,9 +3018,9 @@ torch::Tensor argmax_head_logits(const torch::Tensor& x, const torch::Tensor& he
 // `stride`, into a new contiguous [R, n] one, on the calling thread. The fused decode call's
 // few copies (the embeddings' rows, a step's queries, the rows that sample) were ATen ops
 // (index_select, contiguous), which run on OpenMP's team from ~32K elements (16 rows of the
-// 1B-class model): where OpenMP's idle threads spin (OMP_WAIT_POLICY unset: `--quantization
-// int4`, a program that imported torch before the engine) they then took the cores the work
-// pool's next loops needed, and a 32-row step of the 1B-class model took 1.5x as long.
+// 1B-class model): where OpenMP's idle threads spin (OMP_WAIT_POLICY unset or active: a
+// program that imported torch before the engine) they then took the cores the work pool's
+// next loops needed, and a 32-row step of the 1B-class model took 1.5x as long.
 // These copies are a few hundred KB at most: a thread does them in microseconds.
 torch::Tensor gather_rows(const torch::Tensor& src, int64_t stride, const int64_t* index, int64_t R, int64_t n) {
   torch::Tensor out = torch::empty({R, n}, src.options());
