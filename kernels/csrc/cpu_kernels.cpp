@@ -1905,15 +1905,14 @@ inline void linear_tile(const uint16_t* __restrict x, int64_t ldx, const T* __re
                         const uint16_t* __restrict bias, const uint16_t* __restrict scale, uint16_t* __restrict y,
                         int64_t K, int64_t N, int64_t n0, L2Prefetch pf = {}) {
   const int64_t Kp = (K + 1) / 2, full = K / 2, group_stride = Kp * kPairLine;
-  const int64_t pf_per_kp = (((pf.end - pf.next) + 63) / 64 + Kp - 1) / Kp;
+  const int64_t pf_per_kp = MR > 4 ? (((pf.end - pf.next) + 63) / 64 + Kp - 1) / Kp : 0;
   __m512 acc[MR][2 * G];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < Kp; ++kp) {
-    if (MR > 4) {
+    if constexpr (MR > 4) {  // the next group's share (L2Prefetch)
       for (int64_t i = 0; i < pf_per_kp && pf.next < pf.end; ++i, pf.next += 64) _mm_prefetch(pf.next, _MM_HINT_T1);
-    }
-    if (MR <= 4) {  // a weight stream: keep lines in flight past what the prefetcher does alone
+    } else {  // a weight stream: keep lines in flight past what the prefetcher does alone
       for (int g = 0; g < G; ++g) {
         _mm_prefetch(reinterpret_cast<const char*>(pg + g * group_stride + kp * kPairLine + kPrefetchL2Ahead), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(pg + g * group_stride + kp * kPairLine + kPrefetchL2Ahead + 32), _MM_HINT_T1);
@@ -2015,22 +2014,18 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
   // "An even weight stream at 12-64 rows"); one tile (up to 11 rows, a weight stream already)
   // lost 13% to it, so it needs two.
   const bool prefetch = prefetch_base && M > tile_rows && M <= kPassRows && 2 * group_bytes + x_bytes <= kL2Budget;
-  auto run = [&](int64_t g_lo, int64_t g_hi) {
-    if (prefetch) {
-      for (int64_t g = g_lo; g < g_hi; ++g) {
-        for (int64_t m = 0; m < M; m += tile_rows) {
-          const int64_t mb = std::min(tile_rows, M - m);
-          L2Prefetch pf;
-          if (g + 1 < g_hi) {  // the tile's share of the next group, in proportion to its rows
-            const char* next = prefetch_base + (g + 1) * group_bytes;
-            pf.next = next + group_bytes * m / M / 64 * 64;
-            pf.end = next + group_bytes * (m + mb) / M / 64 * 64;
-          }
-          one(g, m, mb, pf);
-        }
-      }
-      return;
+  // Rows [m, m + mb)'s tile of group g: its share of group g + 1, in proportion to its rows
+  // (none for a piece's last group, or without `prefetch`).
+  auto share_of_next = [&](int64_t g, int64_t g_hi, int64_t m, int64_t mb) {
+    L2Prefetch pf;
+    if (prefetch && g + 1 < g_hi) {
+      const char* next = prefetch_base + (g + 1) * group_bytes;
+      pf.next = next + group_bytes * m / M / 64 * 64;
+      pf.end = next + group_bytes * (m + mb) / M / 64 * 64;
     }
+    return pf;
+  };
+  auto run = [&](int64_t g_lo, int64_t g_hi) {
     if (M <= 4) {
       for (int64_t g = g_lo; g < g_hi; ++g) {
         if (M <= pair_rows && g + 1 < g_hi) {  // two groups at a time: twice the chains in flight
@@ -2047,7 +2042,10 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
       for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
         const int64_t m1 = std::min(M, m0 + kPassRows);
         for (int64_t g = c0; g < c1; ++g)
-          for (int64_t m = m0; m < m1; m += tile_rows) one(g, m, std::min(tile_rows, m1 - m), L2Prefetch{});
+          for (int64_t m = m0; m < m1; m += tile_rows) {
+            const int64_t mb = std::min(tile_rows, m1 - m);
+            one(g, m, mb, share_of_next(g, g_hi, m, mb));
+          }
       }
     }
   };
@@ -3020,7 +3018,8 @@ torch::Tensor argmax_head_logits(const torch::Tensor& x, const torch::Tensor& he
 // (index_select, contiguous), which run on OpenMP's team from ~32K elements (16 rows of the
 // 1B-class model): where OpenMP's idle threads spin (OMP_WAIT_POLICY unset or active: a
 // program that imported torch before the engine) they then took the cores the work pool's
-// next loops needed, and a 32-row step of the 1B-class model took 1.5x as long.
+// next loops needed (a 32-row step of the 1B-class model: docs/BENCHMARKS.md, "The in-step gap
+// was the development script's OpenMP policy").
 // These copies are a few hundred KB at most: a thread does them in microseconds.
 torch::Tensor gather_rows(const torch::Tensor& src, int64_t stride, const int64_t* index, int64_t R, int64_t n) {
   torch::Tensor out = torch::empty({R, n}, src.options());
@@ -3297,13 +3296,9 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
   // model's `norm(x[rows])` through add_rms_norm with no add, the per-op forward's kernel
   // on this backend (LlamaForCausalLM.final_norm).
   // (Only the rows that sample: their sum, rounded as torch's add rounds it, then the norm.)
-  torch::Tensor rows = gather_rows(x, hidden, out_row, R, hidden);
-  if (mlp_out.defined()) {
-    const torch::Tensor last = gather_rows(mlp_out, hidden, out_row, R, hidden);
-    add_rms_norm_impl<c10::BFloat16>(out, rows, rows, &last, final_norm, eps);
-  } else {
-    add_rms_norm_impl<c10::BFloat16>(out, rows, rows, nullptr, final_norm, eps);
-  }
+  torch::Tensor rows = gather_rows(x, hidden, out_row, R, hidden), last;
+  if (mlp_out.defined()) last = gather_rows(mlp_out, hidden, out_row, R, hidden);
+  add_rms_norm_impl<c10::BFloat16>(out, rows, rows, last.defined() ? &last : nullptr, final_norm, eps);
   if (!logits) return out;
 #if defined(__AVX512BF16__)
   if (!argmax_head.empty() && !int8_head && R <= kArgmaxHeadRows) {

@@ -138,8 +138,9 @@ def test_the_call_runs_no_torch_copy_on_openmps_team(quantization):
     queries out of the QKV output, the rows that sample) are its own loops. The ATen copies
     they were (index_select, contiguous, add_) run on OpenMP's team from ~32K elements, and
     where OpenMP's idle threads spin (OMP_WAIT_POLICY unset: a program that imported torch
-    before the engine) they then held the cores the work pool needed: a 32-row step of the 1B-class model took 1.5x as long. The INT4 MLP's SiLU and
-    product stay torch's ops (the per-op forward's bits)."""
+    before the engine) they then held the cores the work pool needed: a 32-row step of the
+    1B-class model took 1.5x as long. The INT4 MLP's SiLU and product stay torch's ops (the
+    per-op forward's bits)."""
     model = make_model("llama", quantization=quantization)
     fused = FusedDecodeLayers.build(model)
     input_ids, positions, caches, meta = make_step(model, BATCHES["twenty decodes"])
