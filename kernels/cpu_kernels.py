@@ -314,6 +314,43 @@ _EMPTY_BF16 = torch.empty(0, dtype=torch.bfloat16)  # no LM head: bf16_decode_la
 _EMPTY_ROWS = torch.empty(0, dtype=torch.int64)  # no LoRA rows
 
 
+class DecodeModel:
+    """`bf16_decode_layers`' model side held across steps (csrc/cpu_kernels.cpp `DecodeModel`):
+    the embedding, every layer's tensors, the KV caches, the final norm and the heads, checked
+    once, here; a step then passes only its own tensors (`__call__`). Passing the model's ~900
+    tensors to every call, each converted by pybind11 and checked again, cost ~0.35 ms a step
+    (docs/BENCHMARKS.md, "Where a batch-1 step's time goes"). The arguments are
+    `bf16_decode_layers`' of the same names; `kv_caches` is kept (`self.kv_caches`) so that a
+    caller can tell whether the caches it has are these."""
+
+    def __init__(self, embedding: torch.Tensor, layer_tensors: list[torch.Tensor], kinds: list[int],
+                 kv_caches: list[torch.Tensor], windows: list[int], num_heads: int, num_kv_heads: int, scale: float,
+                 eps: float, final_norm: torch.Tensor, lm_head: torch.Tensor | None = None,
+                 lm_head_scales: torch.Tensor | None = None, invariant: bool = False,
+                 argmax_head: list[torch.Tensor] | None = None, c12: list[torch.Tensor] | None = None) -> None:
+        self.kv_caches = list(kv_caches)
+        invariant = invariant or kv_caches[0].dtype == torch.int8
+        self._route = (INVARIANT_Q_CHUNK if invariant else _few_rows_per_item(num_heads, num_kv_heads), FEW_ROWS,
+                       0 if invariant else BLOCK_MIN_ROWS, KEY_PART if invariant else 0)
+        self.has_head = lm_head is not None
+        self.has_argmax_head = bool(argmax_head)
+        self._model = load().DecodeModel(
+            embedding, layer_tensors, kinds, self.kv_caches, windows, num_heads, num_kv_heads, scale, eps, final_norm,
+            lm_head if lm_head is not None else _EMPTY_BF16,
+            lm_head_scales if lm_head_scales is not None else _EMPTY_BF16, argmax_head or [], c12 or [])
+
+    def __call__(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, out_rows: torch.Tensor, logits: bool = False, argmax: bool = False,
+                 lora: list[torch.Tensor] | None = None, lora_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One step: `bf16_decode_layers`' result for these step arguments. `logits`: the head's
+        logits (the model was given a head); `argmax`: through the greedy head's copy (given
+        one) where the step's rows only take their argmax."""
+        return self._model.run(input_ids, cos, sin, positions, slot_mapping, block_tables, seq_lens, query_start_loc,
+                               *self._route, out_rows, logits, argmax and self.has_argmax_head, lora or [],
+                               lora_rows if lora_rows is not None else _EMPTY_ROWS)
+
+
 def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_pairs: torch.Tensor, row_group: torch.Tensor,
              offsets: torch.Tensor) -> None:
     """`out[m] += (x[m] @ a[o0:o1].T) @ B[:, o0:o1].T` for each row m of adapter group

@@ -10,6 +10,7 @@ alternating in one process, against the read-bandwidth bound measured between ro
     python -m loadtest.bench_decode_paths --quantization int4 --torch-int4
                                            # also the per-op path with torch's int4 kernel
     python -m loadtest.bench_decode_paths --batch 32             # a 32-row step (32 prompts)
+    python -m loadtest.bench_decode_paths --phases               # and where the fused step's time goes
 
 The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
 - fused: every decoder layer of the step in one C++ call (the engine's route), with the
@@ -38,6 +39,12 @@ its median over the rounds is reported with the median bound: bytes of weights a
 few 32-token groups it computes exactly are left out) / bandwidth. The bound is a batch-1 figure: a step of many rows is
 bound by its arithmetic instead (`loadtest.bench_offline` measures that bound), so with
 `--batch` over 1 the table has no bound column.
+
+`--phases`: after the rounds, the fused step's time by phase (the C++ call's own clock,
+csrc/cpu_kernels.cpp `PhaseClock`: the norms, each linear, rotary and the cache write,
+attention, the SiLU, the head, and the engine's Python around the call), each phase's time
+per step over `--rounds` measurements (median), and for the linears and the head the GB/s
+their weight bytes streamed at (the bandwidth is the median measured between the rounds).
 """
 
 from __future__ import annotations
@@ -69,6 +76,52 @@ def step_seconds(llm, sampling_params, batch: int = 1) -> float:
     return ((t2 - t1) - (t1 - t0)) / 64
 
 
+# The fused call's phases in the order a step runs them (csrc/cpu_kernels.cpp `DecodePhase`).
+PHASE_ORDER = ["setup", "norms", "qkv", "rope_cache", "attention", "o_proj", "gate_up", "silu", "down", "mlp", "head",
+               "outside the call"]
+
+
+def phase_seconds(llm, sampling_params, batch: int = 1) -> dict[str, float]:
+    """The fused decode step's seconds by phase (`decode_phase_times_start` / `_stop`): each
+    phase's (total over T(65) - total over T(1)) / 64, as `step_seconds` takes the step, of
+    the phases the decode steps ran, and "outside the call" = the step less the call's
+    phases (the engine's Python)."""
+    from kernels import cpu_kernels
+
+    module = cpu_kernels.load()
+    one, full = sampling_params(max_tokens=1), sampling_params(max_tokens=65)
+    prompts = [PROMPT] if batch == 1 else [f"{i}. {PROMPT}" for i in range(batch)]
+    llm.generate(prompts, one)  # the prompts cached: both runs below prefill the same
+    totals = []
+    for params in (one, full):
+        module.decode_phase_times_start()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        _, phases = module.decode_phase_times_stop()
+        totals.append((wall, phases))
+    (w1, p1), (w65, p65) = totals
+    per_step = {name: (p65[name][0] - p1[name][0]) / 64 for name in p65 if p65[name][1] > p1[name][1]}
+    per_step["outside the call"] = ((w65 - w1) / 64) - sum(per_step.values())
+    return per_step
+
+
+def linear_bytes(fused, batch: int) -> dict[str, int]:
+    """Weight bytes a fused step of `batch` rows reads in each linear phase (all layers)
+    and in the head."""
+    names = ["qkv", "o_proj", "gate_up", "down"]
+    out = dict.fromkeys(names, 0)
+    for index, weight in enumerate(fused.tensors[i] for layer in range(len(fused.windows))
+                                   for i in (14 * layer + 1, 14 * layer + 4, 14 * layer + 8, 14 * layer + 11)):
+        copy = fused.c12[3 * index:3 * index + 3] if fused.c12 is not None and batch <= 2 else []
+        read = copy if copy and copy[0].numel() > 0 else [weight]
+        out[names[index % 4]] += sum(t.untyped_storage().nbytes() for t in read)
+    out["mlp"] = out["gate_up"] + out["down"]  # steps of 3+ rows: both in one kernel (bf16_silu_mlp)
+    head = fused.argmax_head if fused.argmax_head is not None and batch <= 4 else [fused.lm_head]
+    out["head"] = sum(t.untyped_storage().nbytes() for t in head if t is not None)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a model folder (default: the bundled model); e.g. "
@@ -80,6 +133,7 @@ def main() -> None:
                         "(with --quantization int4)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch", type=int, default=1, help="rows per step: this many prompts at once")
+    parser.add_argument("--phases", action="store_true", help="also the fused step's time by phase")
     args = parser.parse_args()
     if args.batch < 1:
         parser.error("--batch must be at least 1")
@@ -139,6 +193,7 @@ def main() -> None:
         print(f"round {r + 1}: read {bandwidths[-1]:.1f} GB/s, "
               + ", ".join(f"{p} {steps[p][-1] * 1e3:.2f} ms" for p in paths), file=sys.stderr, flush=True)
     use("fused")
+    phases = [phase_seconds(llm, params, args.batch) for _ in range(args.rounds)] if args.phases else []
 
     weight_bytes = decode_weight_bytes(model)
     path_bytes = {p: weight_bytes for p in paths}
@@ -171,6 +226,20 @@ def main() -> None:
         med = statistics.median(steps[path])
         print(f"| {path} | {med * 1e3:.2f} ms | {min(steps[path]) * 1e3:.2f}-{max(steps[path]) * 1e3:.2f} ms "
               f"| {med / base:.2f}x |" + (f" {path_bytes[path] / (bandwidth * 1e9) / med:.0%} |" if bound_column else ""))
+
+    if phases:
+        streamed = linear_bytes(fused, args.batch)
+        step = statistics.median(steps["fused"])
+        print(f"\nThe fused step by phase (median of {len(phases)} measurements, per step; "
+              f"GB/s: the phase's weight bytes over its time, the head's without the groups it computes "
+              f"exactly; read bandwidth {bandwidth:.1f} GB/s):\n")
+        print("| phase | ms a step | share of the step | weight MB | GB/s |")
+        print("|---|---:|---:|---:|---:|")
+        for name in sorted(phases[0], key=lambda n: PHASE_ORDER.index(n) if n in PHASE_ORDER else len(PHASE_ORDER)):
+            med = statistics.median(p.get(name, 0.0) for p in phases)
+            mb = streamed.get(name)
+            print(f"| {name} | {med * 1e3:.3f} | {med / step:.1%} | "
+                  + (f"{mb / 1e6:.1f} | {mb / med / 1e9:.1f} |" if mb and med > 0 else "| |"))
 
 
 if __name__ == "__main__":

@@ -28,9 +28,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <string>
 
 #include <type_traits>
 #include <vector>
@@ -1619,6 +1622,23 @@ void cache_int8_rows(const torch::Tensor& src, const torch::Tensor& cache, const
 
 }  // namespace
 
+namespace {
+
+// T tokens' key and value rows of `bytes` each (k + t * ks, v + t * vs) into their cache
+// slots (slot * bytes into kc, vc); a negative slot is skipped (padding).
+void copy_kv_rows(const char* k, int64_t ks, const char* v, int64_t vs, int64_t bytes, char* kc, char* vc,
+                  const int64_t* slots, int64_t T) {
+  parallel_ranges(T, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (slots[t] < 0) continue;
+      std::memcpy(kc + slots[t] * bytes, k + t * ks, bytes);
+      std::memcpy(vc + slots[t] * bytes, v + t * vs, bytes);
+    }
+  });
+}
+
+}  // namespace
+
 // key/value [T, Hkv, D] (rows may be strided views of the fused QKV output) into their
 // cache slots; a negative slot is skipped (padding). An int8 cache ([.., Hkv, D + 2]:
 // `--kv-cache-dtype int8`) gets each (token, head) row quantized (quantize_row_int8).
@@ -1653,18 +1673,9 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, con
   const int64_t T = key.size(0), row = key.size(1) * key.size(2);
   const int64_t bytes = row * key.element_size();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  char* kc = static_cast<char*>(key_cache.data_ptr());
-  char* vc = static_cast<char*>(value_cache.data_ptr());
-  const char* k = static_cast<const char*>(key.data_ptr());
-  const char* v = static_cast<const char*>(value.data_ptr());
-  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
-  parallel_ranges(T, 64, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      if (slots[t] < 0) continue;
-      std::memcpy(kc + slots[t] * bytes, k + t * ks, bytes);
-      std::memcpy(vc + slots[t] * bytes, v + t * vs, bytes);
-    }
-  });
+  copy_kv_rows(static_cast<const char*>(key.data_ptr()), key.stride(0) * key.element_size(),
+               static_cast<const char*>(value.data_ptr()), value.stride(0) * value.element_size(), bytes,
+               static_cast<char*>(key_cache.data_ptr()), static_cast<char*>(value_cache.data_ptr()), slots, T);
 }
 
 namespace {
@@ -1733,15 +1744,12 @@ void add_rms_norm(const torch::Tensor& out, const torch::Tensor& residual, const
 
 namespace {
 
+// T_ tokens' `heads` rows of D values (token t's at p + t * token_stride, its heads
+// adjacent) rotated in place by the float32 tables c, s [positions, D / 2] at pos[t].
 template <typename T>
-void rotary_impl(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin,
-                 const torch::Tensor& positions) {
-  const int64_t T_ = qk.size(0), heads = qk.size(1), D = qk.size(2), half = D / 2;
-  const int64_t token_stride = qk.stride(0);
-  T* p = qk.data_ptr<T>();
-  const float* c = cos.data_ptr<float>();
-  const float* s = sin.data_ptr<float>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
+void rotary_rows(T* p, int64_t T_, int64_t heads, int64_t D, int64_t token_stride, const float* c, const float* s,
+                 const int64_t* pos) {
+  const int64_t half = D / 2;
   parallel_ranges(T_, 16, [&](int64_t b, int64_t e) {
     thread_local std::vector<float> x;
     x.resize(D);
@@ -1758,6 +1766,13 @@ void rotary_impl(const torch::Tensor& qk, const torch::Tensor& cos, const torch:
       }
     }
   });
+}
+
+template <typename T>
+void rotary_impl(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin,
+                 const torch::Tensor& positions) {
+  rotary_rows<T>(qk.data_ptr<T>(), qk.size(0), qk.size(1), qk.size(2), qk.stride(0), cos.data_ptr<float>(),
+                 sin.data_ptr<float>(), positions.data_ptr<int64_t>());
 }
 
 }  // namespace
@@ -2964,7 +2979,7 @@ torch::Tensor c12_linear(const torch::Tensor& x, const std::vector<torch::Tensor
   const int64_t M = x.size(0), K = x.size(1), groups = (N + 31) / 32;
   TORCH_CHECK(c12.size() == 3 && c12[0].scalar_type() == at::kByte && c12[0].numel() == groups * c12_group_bytes(K) &&
                   c12[1].scalar_type() == at::kShort && c12[2].scalar_type() == at::kLong &&
-                  c12[2].numel() == groups + 1 && c12[2][groups].item<int64_t>() <= c12[1].numel(),
+                  c12[2].numel() == groups + 1 && c12[2].data_ptr<int64_t>()[groups] <= c12[1].numel(),
               "c12_linear: [packed, exceptions, offsets] of pack_c12_weight for K = ", K, ", N = ", N, " expected");
   torch::Tensor y = torch::empty({M, N}, x.options());
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI2__)
@@ -3030,6 +3045,47 @@ torch::Tensor gather_rows(const torch::Tensor& src, int64_t stride, const int64_
   return out;
 }
 
+// Where a fused decode call's time goes (loadtest/bench_decode_paths.py --phases): off
+// unless decode_phase_times_start() turned it on; then each phase's wall time (on the
+// calling thread, which takes part in every parallel loop) is added to its total, one clock
+// read per phase boundary (~20 ns; a step has ~10 a layer). One fused call runs at a time
+// (the engine loop's), so the totals are plain doubles.
+enum DecodePhase : int {
+  kPhaseSetup,      // argument checks, the embeddings' rows
+  kPhaseNorms,      // the two add_rms_norms of each layer
+  kPhaseQkv,        // the QKV linear (and its LoRA delta)
+  kPhaseRopeCache,  // rotary, the KV cache write, the queries' copy
+  kPhaseAttention,  // paged attention
+  kPhaseO,          // the output projection
+  kPhaseGateUp,     // the MLP's gate_up linear
+  kPhaseSilu,       // SiLU-and-multiply
+  kPhaseDown,       // the MLP's down linear
+  kPhaseMlp,        // gate_up, SiLU and down in one kernel (bf16_silu_mlp: steps of 3+ rows)
+  kPhaseHead,       // the final norm and the LM head (greedy route or whole head)
+  kPhaseCount
+};
+constexpr const char* kPhaseNames[kPhaseCount] = {"setup", "norms", "qkv", "rope_cache", "attention", "o_proj",
+                                                  "gate_up", "silu", "down", "mlp", "head"};
+bool g_phase_on = false;
+double g_phase_ns[kPhaseCount] = {};
+int64_t g_phase_marks[kPhaseCount] = {};
+int64_t g_phase_calls = 0;
+
+struct PhaseClock {
+  std::chrono::steady_clock::time_point last;
+  PhaseClock() {
+    if (g_phase_on) last = std::chrono::steady_clock::now();
+  }
+  // The time since the last mark goes to `phase`.
+  void mark(DecodePhase phase) {
+    if (!g_phase_on) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_phase_ns[phase] += std::chrono::duration<double, std::nano>(now - last).count();
+    ++g_phase_marks[phase];
+    last = now;
+  }
+};
+
 // One linear of a fused decode layer (bf16_decode_layers): its weight and how to apply it.
 // kind 0: a bf16 weight [N, K] packed by pack_bf16_weight, through bf16_linear_impl; kind > 0:
 // int4 packed by pack_int4_weight with input groups of `kind`, through int4_linear_impl;
@@ -3069,7 +3125,7 @@ struct DecodeLinear {
       TORCH_CHECK(kind == 0 && bias->numel() == 0 && c12[0].scalar_type() == at::kByte &&
                       c12[0].numel() == groups * c12_group_bytes(K) && c12[1].scalar_type() == at::kShort &&
                       c12[2].scalar_type() == at::kLong && c12[2].numel() == groups + 1 &&
-                      c12[2][groups].item<int64_t>() <= c12[1].numel(),
+                      c12[2].data_ptr<int64_t>()[groups] <= c12[1].numel(),
                   "bf16_decode_layers: ", what, ": a 12-bit copy is pack_c12_weight's of a bf16 weight with no bias");
     }
   }
@@ -3112,6 +3168,289 @@ struct DecodeLinear {
   }
 };
 
+// The model's side of a fused decode call: what stays the same from step to step
+// (bf16_decode_layers' arguments of those names). DecodeModel holds them and checks them
+// once; bf16_decode_layers checks them at every call.
+struct DecodeModelArgs {
+  const torch::Tensor& embedding;
+  const std::vector<torch::Tensor>& layer_tensors;
+  const std::vector<int64_t>& kinds;
+  const std::vector<torch::Tensor>& kv_caches;
+  const std::vector<int64_t>& windows;
+  int64_t num_heads, num_kv_heads;
+  double scale, eps;
+  const torch::Tensor& final_norm;
+  const torch::Tensor& lm_head;
+  const torch::Tensor& lm_head_scales;
+  const std::vector<torch::Tensor>& argmax_head;
+  const std::vector<torch::Tensor>& c12_weights;
+};
+
+constexpr size_t kDecodeTensorsPerLayer = 14;
+
+// The layer's linear i (0 qkv, 1 o, 2 gate_up, 3 down) as DecodeLinear runs it.
+DecodeLinear decode_linear(const DecodeModelArgs& a, size_t l, int i) {
+  const torch::Tensor* t = &a.layer_tensors[kDecodeTensorsPerLayer * l + (i < 2 ? 1 + 3 * i : 8 + 3 * (i - 2))];
+  DecodeLinear linear{t, t + 1, t + 2, a.kinds[4 * l + i]};
+  if (!a.c12_weights.empty() && a.c12_weights[12 * l + 3 * i].numel() > 0) linear.c12 = &a.c12_weights[12 * l + 3 * i];
+  return linear;
+}
+
+void check_decode_model(const DecodeModelArgs& a) {
+  const size_t L = a.windows.size();
+  const int64_t H = a.num_heads, Hkv = a.num_kv_heads;
+  TORCH_CHECK(a.c12_weights.empty() || a.c12_weights.size() == 12 * L,
+              "bf16_decode_layers: 12-bit copies: 3 tensors per linear and layer (empty: none), or none");
+  TORCH_CHECK(a.layer_tensors.size() == kDecodeTensorsPerLayer * L && a.kinds.size() == 4 * L &&
+                  a.kv_caches.size() == 2 * L && L > 0 && H > 0 && Hkv > 0 && H % Hkv == 0,
+              "bf16_decode_layers: 14 tensors, 4 linear kinds and 2 caches per layer expected");
+  TORCH_CHECK(a.embedding.dim() == 2 && a.embedding.scalar_type() == at::kBFloat16 && a.embedding.is_contiguous(),
+              "bf16_decode_layers: a contiguous bfloat16 embedding [vocab, hidden] expected");
+  const int64_t hidden = a.embedding.size(1);
+  TORCH_CHECK(a.final_norm.scalar_type() == at::kBFloat16 && a.final_norm.is_contiguous() && a.final_norm.numel() == hidden,
+              "bf16_decode_layers: a bfloat16 final norm [hidden] expected");
+  const bool int8_head = a.lm_head_scales.numel() > 0;
+  TORCH_CHECK(a.lm_head.numel() == 0 || (kHaveBf16Gemv && a.lm_head.size(1) == hidden &&
+                                         (int8_head ? is_packed_int8(a.lm_head) && a.lm_head_scales.scalar_type() == at::kBFloat16 &&
+                                                          a.lm_head_scales.is_contiguous() &&
+                                                          a.lm_head_scales.numel() == a.lm_head.size(0)
+                                                    : is_packed_bf16(a.lm_head))),
+              "bf16_decode_layers: an LM head is a bfloat16 [vocab, hidden] packed by pack_bf16_weight, or an int8 one ",
+              "packed by pack_int8_weight with bfloat16 row scales (and needs the GEMV)");
+  const at::ScalarType cache_type = a.kv_caches[0].scalar_type();
+  for (size_t l = 0; l < L; ++l) {
+    const torch::Tensor* t = &a.layer_tensors[kDecodeTensorsPerLayer * l];
+    for (int i : {0, 7}) {
+      TORCH_CHECK(t[i].scalar_type() == at::kBFloat16 && t[i].is_contiguous() && t[i].numel() == hidden,
+                  "bf16_decode_layers: contiguous bfloat16 norm weights [hidden] expected");
+    }
+    for (int i = 0; i < 4; ++i) {
+      TORCH_CHECK(a.kinds[4 * l + i] > 0 || kHaveBf16Gemv,
+                  "bf16_decode_layers: this build has no AVX512-BF16 GEMV (bf16 and int8 linears)");
+    }
+    const DecodeLinear qkv = decode_linear(a, l, 0), o = decode_linear(a, l, 1), gate_up = decode_linear(a, l, 2),
+                       down = decode_linear(a, l, 3);
+    const int64_t D = qkv.out_features() / (H + 2 * Hkv), I = down.in_features();
+    TORCH_CHECK(qkv.out_features() == (H + 2 * Hkv) * D && gate_up.out_features() == 2 * I &&
+                    o.out_features() == hidden && down.out_features() == hidden &&
+                    D == decode_linear(a, 0, 0).out_features() / (H + 2 * Hkv),
+                "bf16_decode_layers: layer ", l, ": linear shapes do not fit one another (or layer 0's head size)");
+    qkv.check(hidden, "qkv");
+    o.check(H * D, "o");
+    gate_up.check(hidden, "gate_up");
+    down.check(I, "down");
+    for (int c = 0; c < 2; ++c) {
+      const torch::Tensor& cache = a.kv_caches[2 * l + c];
+      const bool int8 = cache.scalar_type() == at::kChar;
+      TORCH_CHECK((cache.scalar_type() == at::kBFloat16 || int8) && cache.scalar_type() == cache_type &&
+                      cache.is_contiguous() && cache.dim() == 4 && cache.size(2) == Hkv &&
+                      cache.size(3) == (int8 ? D + 2 : D),
+                  "bf16_decode_layers: contiguous bfloat16 caches [blocks, block_size, Hkv, D] or int8 ones "
+                  "[.., D + 2] expected, all of one dtype");
+    }
+  }
+}
+
+// One step through a checked model (check_decode_model): the step's arguments as
+// bf16_decode_layers takes them; `want_logits`: the head's logits (the model must have a
+// head), `argmax`: the greedy head's route where the step's rows allow it.
+torch::Tensor run_decode_layers(const DecodeModelArgs& a, const torch::Tensor& input_ids, const torch::Tensor& cos,
+                                const torch::Tensor& sin, const torch::Tensor& positions,
+                                const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                                const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, int64_t q_chunk,
+                                int64_t few_rows, int64_t block_over, int64_t key_part, const torch::Tensor& out_rows,
+                                bool want_logits, bool argmax, const std::vector<torch::Tensor>& lora,
+                                const torch::Tensor& lora_rows) {
+  PhaseClock clock;
+  if (g_phase_on) ++g_phase_calls;
+  const torch::Tensor& embedding = a.embedding;
+  const std::vector<torch::Tensor>& layer_tensors = a.layer_tensors;
+  const std::vector<torch::Tensor>& kv_caches = a.kv_caches;
+  const std::vector<int64_t>& windows = a.windows;
+  const torch::Tensor& final_norm = a.final_norm;
+  const torch::Tensor& lm_head = a.lm_head;
+  const torch::Tensor& lm_head_scales = a.lm_head_scales;
+  const std::vector<torch::Tensor> no_argmax_head;
+  const std::vector<torch::Tensor>& argmax_head = argmax ? a.argmax_head : no_argmax_head;
+  const double scale = a.scale, eps = a.eps;
+  constexpr size_t kPerLayer = kDecodeTensorsPerLayer;
+  const size_t L = windows.size();
+  TORCH_CHECK(lora.empty() || (lora.size() == 12 * L && lora_rows.numel() == input_ids.numel()),
+              "bf16_decode_layers: LoRA takes a, bt, offsets per linear (12 per layer) and a row group per row");
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous(),
+              "bf16_decode_layers: int64 input_ids [M] expected");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && positions.scalar_type() == at::kLong &&
+                  slot_mapping.scalar_type() == at::kLong && positions.is_contiguous() && slot_mapping.is_contiguous() &&
+                  positions.numel() == input_ids.numel() && slot_mapping.numel() == input_ids.numel(),
+              "bf16_decode_layers: int32 attention metadata and int64 positions and slots (one a token) expected");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "bf16_decode_layers: contiguous float32 rotary tables expected");
+  TORCH_CHECK(kv_caches[0].scalar_type() != at::kChar || key_part > 0,
+              "bf16_decode_layers: int8 caches are read on the invariant route (a key_part expected)");
+  TORCH_CHECK(!want_logits || lm_head.numel() > 0, "bf16_decode_layers: logits asked of a model with no LM head");
+  const int64_t M = input_ids.numel(), vocab = embedding.size(0), hidden = embedding.size(1);
+  const int64_t H = a.num_heads, Hkv = a.num_kv_heads;
+  const int64_t R = out_rows.numel();
+  TORCH_CHECK(out_rows.scalar_type() == at::kLong && out_rows.dim() == 1 && out_rows.is_contiguous(),
+              "bf16_decode_layers: int64 out_rows [R] expected");
+  const int64_t* ids = input_ids.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(ids[m] >= 0 && ids[m] < vocab, "bf16_decode_layers: token id ", ids[m], " not in [0, ", vocab, ")");
+  }
+  const int64_t* out_row = out_rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(out_row[r] >= 0 && out_row[r] < M, "bf16_decode_layers: out_rows index ", out_row[r], " not in [0, ", M, ")");
+  }
+  const bool logits = want_logits, int8_head = lm_head_scales.numel() > 0;
+  auto linear_of = [&](size_t l, int i) { return decode_linear(a, l, i); };
+  const auto opts = embedding.options();
+  torch::Tensor out = torch::empty({R, hidden}, opts);
+  if (M == 0) return logits ? torch::empty({0, lm_head.size(0)}, opts.dtype(at::kFloat)) : out;
+  torch::Tensor x = gather_rows(embedding, hidden, ids, M, hidden);  // the residual stream: the embeddings first
+  auto bt = block_tables.contiguous();
+  torch::Tensor h = torch::empty({M, hidden}, opts);
+  torch::Tensor mlp_out;  // the previous layer's MLP output: added to x by the next norm
+  // The queries (copied out of the QKV output: attention reads them contiguous) and the
+  // attention's output, one buffer each for every layer (check_decode_model: every layer has
+  // layer 0's head size).
+  const int64_t D0 = L > 0 ? linear_of(0, 0).out_features() / (H + 2 * Hkv) : 0;
+  torch::Tensor q = torch::empty({M, H, D0}, opts), o = torch::empty({M, H, D0}, opts);
+  const torch::Tensor attn_in = o.view({M, H * D0});
+  clock.mark(kPhaseSetup);
+  for (size_t l = 0; l < L; ++l) {
+    const torch::Tensor* t = &layer_tensors[kPerLayer * l];
+    const DecodeLinear qkv_proj = linear_of(l, 0), o_proj = linear_of(l, 1), gate_up = linear_of(l, 2),
+                       down = linear_of(l, 3);
+    const int64_t D = qkv_proj.out_features() / (H + 2 * Hkv), I = down.in_features();
+    // h = norm(x + previous MLP output), x = that sum: the model's `x + mlp(h)` then the
+    // next layer's input norm, with the sum rounded to bf16 as torch's add rounds it.
+    add_rms_norm_impl<c10::BFloat16>(h, x, x, mlp_out.defined() ? &mlp_out : nullptr, t[0], eps);
+    clock.mark(kPhaseNorms);
+    // A step with LoRA rows: after each linear, its rows' adapter deltas (lora_add, as the
+    // per-op forward's hooks add them): `lora` holds a, bt, offsets per linear and layer
+    // (12 per layer; a linear no adapter of the step targets has an empty a).
+    auto has_lora = [&](int i) { return !lora.empty() && lora[12 * l + 3 * i].size(0) > 0; };
+    auto add_lora = [&](int i, torch::Tensor& y, const torch::Tensor& in) {
+      if (!has_lora(i)) return;
+      const torch::Tensor* t = &lora[12 * l + 3 * i];
+      lora_add(y, in, t[0], t[1], lora_rows, t[2]);
+    };
+    torch::Tensor qkv = qkv_proj(h);
+    add_lora(0, qkv, h);
+    clock.mark(kPhaseQkv);
+    // Rotary on q and k in place, k and v into the cache, q out: on the row pointers (the
+    // ATen views of the per-op forward's `rotary` and `reshape_and_cache` cost ~5 us a layer).
+    auto* qkv_rows = qkv.data_ptr<c10::BFloat16>();
+    const int64_t qkv_stride = qkv.size(1);
+    rotary_rows<c10::BFloat16>(qkv_rows, M, H + Hkv, D, qkv_stride, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                               positions.data_ptr<int64_t>());
+    if (kv_caches[2 * l].scalar_type() == at::kChar) {
+      reshape_and_cache(qkv.narrow(1, H * D, Hkv * D).view({M, Hkv, D}),
+                        qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({M, Hkv, D}), kv_caches[2 * l],
+                        kv_caches[2 * l + 1], slot_mapping);
+    } else {
+      const char* rows = reinterpret_cast<const char*>(qkv_rows);
+      const int64_t row_bytes = qkv_stride * sizeof(uint16_t), kv_bytes = Hkv * D * sizeof(uint16_t);
+      copy_kv_rows(rows + H * D * sizeof(uint16_t), row_bytes, rows + (H + Hkv) * D * sizeof(uint16_t), row_bytes,
+                   kv_bytes, static_cast<char*>(kv_caches[2 * l].data_ptr()),
+                   static_cast<char*>(kv_caches[2 * l + 1].data_ptr()), slot_mapping.data_ptr<int64_t>(), M);
+    }
+    auto* q_rows = reinterpret_cast<uint16_t*>(q.data_ptr());
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(q_rows + m * H * D, reinterpret_cast<const uint16_t*>(qkv_rows) + m * qkv_stride, H * D * sizeof(uint16_t));
+    clock.mark(kPhaseRopeCache);
+    if (kv_caches[2 * l].scalar_type() == at::kChar) {
+      paged_attention_int8(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc, scale,
+                           windows[l], q_chunk, key_part);
+    } else {
+      paged_attention_impl<c10::BFloat16>(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc,
+                                          scale, windows[l], q_chunk, /*skip_over=*/0, few_rows, block_over, key_part);
+    }
+    clock.mark(kPhaseAttention);
+    torch::Tensor attn = o_proj(attn_in);
+    add_lora(1, attn, attn_in);
+    clock.mark(kPhaseO);
+    add_rms_norm_impl<c10::BFloat16>(h, x, x, &attn, t[7], eps);
+    clock.mark(kPhaseNorms);
+    const bool kernel_mlp = gate_up.kind == 0 && down.kind == 0 && gate_up.bias->numel() == 0 && down.bias->numel() == 0;
+    if (kernel_mlp && !has_lora(2) && !has_lora(3) && gate_up.c12 && down.c12 && M <= kC12MaxRows) {
+      // bf16_silu_mlp's three steps on the 12-bit copies: the same bits.
+      torch::Tensor gu = gate_up(h);
+      clock.mark(kPhaseGateUp);
+      torch::Tensor act = silu_mul(gu);
+      clock.mark(kPhaseSilu);
+      mlp_out = down(act);
+      clock.mark(kPhaseDown);
+    } else if (kernel_mlp && !has_lora(2) && !has_lora(3)) {
+      // Both GEMVs, no biases: the model's bf16_silu_mlp, its SiLU-and-multiply included.
+      if (!mlp_out.defined() || mlp_out.size(0) != M) mlp_out = torch::empty({M, hidden}, opts);
+      bf16_silu_mlp(mlp_out, h, *gate_up.weight, *down.weight);
+      clock.mark(kPhaseMlp);
+    } else if (kernel_mlp) {
+      // LoRA deltas between the GEMMs: the model's per-op MLP with adapters (the same
+      // kernels: silu_mul is bf16_silu_mlp's activation).
+      torch::Tensor gu = gate_up(h);
+      add_lora(2, gu, h);
+      clock.mark(kPhaseGateUp);
+      torch::Tensor act = silu_mul(gu);
+      clock.mark(kPhaseSilu);
+      mlp_out = down(act);
+      add_lora(3, mlp_out, act);
+      clock.mark(kPhaseDown);
+    } else {
+      // The model's eager `down(F.silu(gate) * up)`, through the same ATen ops.
+      torch::Tensor gu = gate_up(h);
+      add_lora(2, gu, h);
+      clock.mark(kPhaseGateUp);
+      torch::Tensor act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
+      clock.mark(kPhaseSilu);
+      mlp_out = down(act);
+      add_lora(3, mlp_out, act);
+      clock.mark(kPhaseDown);
+    }
+  }
+  // The last layer's `x + mlp(h)`, then the final norm of the rows that sample: the
+  // model's `norm(x[rows])` through add_rms_norm with no add, the per-op forward's kernel
+  // on this backend (LlamaForCausalLM.final_norm).
+  // (Only the rows that sample: their sum, rounded as torch's add rounds it, then the norm.)
+  torch::Tensor rows = gather_rows(x, hidden, out_row, R, hidden), last;
+  if (mlp_out.defined()) last = gather_rows(mlp_out, hidden, out_row, R, hidden);
+  add_rms_norm_impl<c10::BFloat16>(out, rows, rows, last.defined() ? &last : nullptr, final_norm, eps);
+  if (!logits) {
+    clock.mark(kPhaseHead);
+    return out;
+  }
+#if defined(__AVX512BF16__)
+  if (!argmax_head.empty() && !int8_head && R <= kArgmaxHeadRows) {
+    // A greedy step: the exact logits only where the argmax can be (argmax_head_logits_impl).
+    check_argmax_head(argmax_head, lm_head);
+    torch::Tensor float_logits = torch::empty({R, lm_head.size(0)}, opts.dtype(at::kFloat));
+    argmax_head_logits_impl(reinterpret_cast<const uint16_t*>(out.data_ptr()), R, hidden,
+                            reinterpret_cast<const uint16_t*>(lm_head.data_ptr()), argmax_head[0].data_ptr<int8_t>(),
+                            reinterpret_cast<const uint16_t*>(argmax_head[1].data_ptr()),
+                            argmax_head[2].data_ptr<float>(), lm_head.size(0), float_logits.data_ptr<float>());
+    clock.mark(kPhaseHead);
+    return float_logits;
+  }
+#endif
+  // The head as the model's GEMV `Linear` computes it (bf16 out), widened as the sampler widens it.
+  const torch::Tensor none = torch::empty({0}, opts);
+  // The widening on the work pool, not torch's `.to(float)`: that copy (49,152 logits a
+  // row) is an OpenMP parallel op, the one of a decode step, and waking torch's team costs
+  // more than the copy (and stalls when a neighbour holds a core).
+  const torch::Tensor bf16_logits = DecodeLinear{&lm_head, &none, &lm_head_scales, int8_head ? -1 : 0}(out);
+  torch::Tensor float_logits = torch::empty(bf16_logits.sizes(), opts.dtype(at::kFloat));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(bf16_logits.data_ptr());
+  float* dst = float_logits.data_ptr<float>();
+  parallel_ranges(bf16_logits.numel(), 1 << 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) dst[i] = bf16_to_float_bits(src[i]);
+  });
+  clock.mark(kPhaseHead);
+  return float_logits;
+}
+
 }  // namespace
 
 // A decode step's decoder layers for a few bf16 rows in one call: for each Llama-style
@@ -3152,180 +3491,63 @@ torch::Tensor bf16_decode_layers(const torch::Tensor& input_ids, const torch::Te
                                  const torch::Tensor& lm_head_scales, const std::vector<torch::Tensor>& argmax_head,
                                  const std::vector<torch::Tensor>& c12_weights, const std::vector<torch::Tensor>& lora,
                                  const torch::Tensor& lora_rows) {
-  constexpr size_t kPerLayer = 14;
-  const size_t L = windows.size();
-  TORCH_CHECK(c12_weights.empty() || c12_weights.size() == 12 * L,
-              "bf16_decode_layers: 12-bit copies: 3 tensors per linear and layer (empty: none), or none");
-  TORCH_CHECK(lora.empty() || (lora.size() == 12 * L && lora_rows.numel() == input_ids.numel()),
-              "bf16_decode_layers: LoRA takes a, bt, offsets per linear (12 per layer) and a row group per row");
-  TORCH_CHECK(layer_tensors.size() == kPerLayer * L && kinds.size() == 4 * L && kv_caches.size() == 2 * L,
-              "bf16_decode_layers: 14 tensors, 4 linear kinds and 2 caches per layer expected");
-  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() &&
-                  embedding.dim() == 2 && embedding.scalar_type() == at::kBFloat16 && embedding.is_contiguous(),
-              "bf16_decode_layers: int64 input_ids [M] and a contiguous bfloat16 embedding [vocab, hidden] expected");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start_loc.scalar_type() == at::kInt && positions.scalar_type() == at::kLong &&
-                  slot_mapping.scalar_type() == at::kLong,
-              "bf16_decode_layers: int32 attention metadata and int64 positions and slots expected");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous(),
-              "bf16_decode_layers: contiguous float32 rotary tables expected");
-  const int64_t M = input_ids.numel(), vocab = embedding.size(0), hidden = embedding.size(1);
-  const int64_t H = num_heads, Hkv = num_kv_heads;
-  const int64_t R = out_rows.numel();
-  TORCH_CHECK(final_norm.scalar_type() == at::kBFloat16 && final_norm.is_contiguous() && final_norm.numel() == hidden &&
-                  out_rows.scalar_type() == at::kLong && out_rows.dim() == 1 && out_rows.is_contiguous(),
-              "bf16_decode_layers: a bfloat16 final norm [hidden] and int64 out_rows [R] expected");
-  const int64_t* ids = input_ids.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK(ids[m] >= 0 && ids[m] < vocab, "bf16_decode_layers: token id ", ids[m], " not in [0, ", vocab, ")");
-  }
-  const int64_t* out_row = out_rows.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(out_row[r] >= 0 && out_row[r] < M, "bf16_decode_layers: out_rows index ", out_row[r], " not in [0, ", M, ")");
-  }
-  const bool logits = lm_head.numel() > 0, int8_head = lm_head_scales.numel() > 0;
-  TORCH_CHECK(!logits || (kHaveBf16Gemv && lm_head.size(1) == hidden &&
-                          (int8_head ? is_packed_int8(lm_head) && lm_head_scales.scalar_type() == at::kBFloat16 &&
-                                           lm_head_scales.is_contiguous() && lm_head_scales.numel() == lm_head.size(0)
-                                     : is_packed_bf16(lm_head))),
-              "bf16_decode_layers: an LM head is a bfloat16 [vocab, hidden] packed by pack_bf16_weight, or an int8 one ",
-              "packed by pack_int8_weight with bfloat16 row scales (and needs the GEMV)");
-  auto linear_of = [&](size_t l, int i) {
-    const torch::Tensor* t = &layer_tensors[kPerLayer * l + (i < 2 ? 1 + 3 * i : 8 + 3 * (i - 2))];
-    const int64_t kind = kinds[4 * l + i];
-    TORCH_CHECK(kind > 0 || kHaveBf16Gemv, "bf16_decode_layers: this build has no AVX512-BF16 GEMV (bf16 and int8 linears)");
-    DecodeLinear linear{t, t + 1, t + 2, kind};
-    if (!c12_weights.empty() && c12_weights[12 * l + 3 * i].numel() > 0) linear.c12 = &c12_weights[12 * l + 3 * i];
-    return linear;
-  };
-  for (size_t l = 0; l < L; ++l) {
-    const torch::Tensor* t = &layer_tensors[kPerLayer * l];
-    for (int i : {0, 7}) {
-      TORCH_CHECK(t[i].scalar_type() == at::kBFloat16 && t[i].is_contiguous() && t[i].numel() == hidden,
-                  "bf16_decode_layers: contiguous bfloat16 norm weights [hidden] expected");
-    }
-    const DecodeLinear qkv = linear_of(l, 0), o = linear_of(l, 1), gate_up = linear_of(l, 2), down = linear_of(l, 3);
-    const int64_t D = qkv.out_features() / (H + 2 * Hkv), I = down.in_features();
-    TORCH_CHECK(qkv.out_features() == (H + 2 * Hkv) * D && gate_up.out_features() == 2 * I &&
-                    o.out_features() == hidden && down.out_features() == hidden,
-                "bf16_decode_layers: layer ", l, ": linear shapes do not fit one another");
-    qkv.check(hidden, "qkv");
-    o.check(H * D, "o");
-    gate_up.check(hidden, "gate_up");
-    down.check(I, "down");
-    for (int c = 0; c < 2; ++c) {
-      const torch::Tensor& cache = kv_caches[2 * l + c];
-      const bool int8 = cache.scalar_type() == at::kChar;
-      TORCH_CHECK((cache.scalar_type() == at::kBFloat16 || int8) && cache.is_contiguous() && cache.dim() == 4 &&
-                      cache.size(2) == Hkv && cache.size(3) == (int8 ? D + 2 : D) && (!int8 || key_part > 0),
-                  "bf16_decode_layers: contiguous bfloat16 caches [blocks, block_size, Hkv, D] or int8 ones "
-                  "[.., D + 2] (with the invariant route's key_part) expected");
-    }
-  }
-  const auto opts = embedding.options();
-  torch::Tensor out = torch::empty({R, hidden}, opts);
-  if (M == 0) return logits ? torch::empty({0, lm_head.size(0)}, opts.dtype(at::kFloat)) : out;
-  torch::Tensor x = gather_rows(embedding, hidden, ids, M, hidden);  // the residual stream: the embeddings first
-  auto bt = block_tables.contiguous();
-  torch::Tensor h = torch::empty({M, hidden}, opts);
-  torch::Tensor mlp_out;  // the previous layer's MLP output: added to x by the next norm
-  for (size_t l = 0; l < L; ++l) {
-    const torch::Tensor* t = &layer_tensors[kPerLayer * l];
-    const DecodeLinear qkv_proj = linear_of(l, 0), o_proj = linear_of(l, 1), gate_up = linear_of(l, 2),
-                       down = linear_of(l, 3);
-    const int64_t D = qkv_proj.out_features() / (H + 2 * Hkv), I = down.in_features();
-    // h = norm(x + previous MLP output), x = that sum: the model's `x + mlp(h)` then the
-    // next layer's input norm, with the sum rounded to bf16 as torch's add rounds it.
-    add_rms_norm_impl<c10::BFloat16>(h, x, x, mlp_out.defined() ? &mlp_out : nullptr, t[0], eps);
-    // A step with LoRA rows: after each linear, its rows' adapter deltas (lora_add, as the
-    // per-op forward's hooks add them): `lora` holds a, bt, offsets per linear and layer
-    // (12 per layer; a linear no adapter of the step targets has an empty a).
-    auto has_lora = [&](int i) { return !lora.empty() && lora[12 * l + 3 * i].size(0) > 0; };
-    auto add_lora = [&](int i, torch::Tensor& y, const torch::Tensor& in) {
-      if (!has_lora(i)) return;
-      const torch::Tensor* t = &lora[12 * l + 3 * i];
-      lora_add(y, in, t[0], t[1], lora_rows, t[2]);
-    };
-    torch::Tensor qkv = qkv_proj(h);
-    add_lora(0, qkv, h);
-    torch::Tensor qk = qkv.narrow(1, 0, (H + Hkv) * D).view({M, H + Hkv, D});
-    rotary_impl<c10::BFloat16>(qk, cos, sin, positions);
-    reshape_and_cache(qkv.narrow(1, H * D, Hkv * D).view({M, Hkv, D}),
-                      qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({M, Hkv, D}), kv_caches[2 * l], kv_caches[2 * l + 1],
-                      slot_mapping);
-    torch::Tensor q = gather_rows(qkv, qkv.size(1), nullptr, M, H * D).view({M, H, D});
-    torch::Tensor o = torch::empty_like(q);
-    if (kv_caches[2 * l].scalar_type() == at::kChar) {
-      paged_attention_int8(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc, scale,
-                           windows[l], q_chunk, key_part);
-    } else {
-      paged_attention_impl<c10::BFloat16>(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc,
-                                          scale, windows[l], q_chunk, /*skip_over=*/0, few_rows, block_over, key_part);
-    }
-    torch::Tensor attn_in = o.view({M, H * D});
-    torch::Tensor attn = o_proj(attn_in);
-    add_lora(1, attn, attn_in);
-    add_rms_norm_impl<c10::BFloat16>(h, x, x, &attn, t[7], eps);
-    const bool kernel_mlp = gate_up.kind == 0 && down.kind == 0 && gate_up.bias->numel() == 0 && down.bias->numel() == 0;
-    if (kernel_mlp && !has_lora(2) && !has_lora(3) && gate_up.c12 && down.c12 && M <= kC12MaxRows) {
-      // bf16_silu_mlp's three steps on the 12-bit copies: the same bits.
-      mlp_out = down(silu_mul(gate_up(h)));
-    } else if (kernel_mlp && !has_lora(2) && !has_lora(3)) {
-      // Both GEMVs, no biases: the model's bf16_silu_mlp, its SiLU-and-multiply included.
-      if (!mlp_out.defined() || mlp_out.size(0) != M) mlp_out = torch::empty({M, hidden}, opts);
-      bf16_silu_mlp(mlp_out, h, *gate_up.weight, *down.weight);
-    } else if (kernel_mlp) {
-      // LoRA deltas between the GEMMs: the model's per-op MLP with adapters (the same
-      // kernels: silu_mul is bf16_silu_mlp's activation).
-      torch::Tensor gu = gate_up(h);
-      add_lora(2, gu, h);
-      torch::Tensor act = silu_mul(gu);
-      mlp_out = down(act);
-      add_lora(3, mlp_out, act);
-    } else {
-      // The model's eager `down(F.silu(gate) * up)`, through the same ATen ops.
-      torch::Tensor gu = gate_up(h);
-      add_lora(2, gu, h);
-      torch::Tensor act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
-      mlp_out = down(act);
-      add_lora(3, mlp_out, act);
-    }
-  }
-  // The last layer's `x + mlp(h)`, then the final norm of the rows that sample: the
-  // model's `norm(x[rows])` through add_rms_norm with no add, the per-op forward's kernel
-  // on this backend (LlamaForCausalLM.final_norm).
-  // (Only the rows that sample: their sum, rounded as torch's add rounds it, then the norm.)
-  torch::Tensor rows = gather_rows(x, hidden, out_row, R, hidden), last;
-  if (mlp_out.defined()) last = gather_rows(mlp_out, hidden, out_row, R, hidden);
-  add_rms_norm_impl<c10::BFloat16>(out, rows, rows, last.defined() ? &last : nullptr, final_norm, eps);
-  if (!logits) return out;
-#if defined(__AVX512BF16__)
-  if (!argmax_head.empty() && !int8_head && R <= kArgmaxHeadRows) {
-    // A greedy step: the exact logits only where the argmax can be (argmax_head_logits_impl).
-    check_argmax_head(argmax_head, lm_head);
-    torch::Tensor float_logits = torch::empty({R, lm_head.size(0)}, opts.dtype(at::kFloat));
-    argmax_head_logits_impl(reinterpret_cast<const uint16_t*>(out.data_ptr()), R, hidden,
-                            reinterpret_cast<const uint16_t*>(lm_head.data_ptr()), argmax_head[0].data_ptr<int8_t>(),
-                            reinterpret_cast<const uint16_t*>(argmax_head[1].data_ptr()),
-                            argmax_head[2].data_ptr<float>(), lm_head.size(0), float_logits.data_ptr<float>());
-    return float_logits;
-  }
-#endif
-  // The head as the model's GEMV `Linear` computes it (bf16 out), widened as the sampler widens it.
-  const torch::Tensor none = torch::empty({0}, opts);
-  // The widening on the work pool, not torch's `.to(float)`: that copy (49,152 logits a
-  // row) is an OpenMP parallel op, the one of a decode step, and waking torch's team costs
-  // more than the copy (and stalls when a neighbour holds a core).
-  const torch::Tensor bf16_logits = DecodeLinear{&lm_head, &none, &lm_head_scales, int8_head ? -1 : 0}(out);
-  torch::Tensor float_logits = torch::empty(bf16_logits.sizes(), opts.dtype(at::kFloat));
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(bf16_logits.data_ptr());
-  float* dst = float_logits.data_ptr<float>();
-  parallel_ranges(bf16_logits.numel(), 1 << 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) dst[i] = bf16_to_float_bits(src[i]);
-  });
-  return float_logits;
+  const DecodeModelArgs model{embedding, layer_tensors, kinds,      kv_caches,      windows,     num_heads,  num_kv_heads,
+                              scale,     eps,           final_norm, lm_head,        lm_head_scales, argmax_head, c12_weights};
+  check_decode_model(model);
+  return run_decode_layers(model, input_ids, cos, sin, positions, slot_mapping, block_tables, seq_lens,
+                           query_start_loc, q_chunk, few_rows, block_over, key_part, out_rows, lm_head.numel() > 0,
+                           !argmax_head.empty(), lora, lora_rows);
 }
+
+// bf16_decode_layers' model side held across steps (pybind `DecodeModel`): the tensors are
+// checked once, when it is made, and a step passes only its own arguments. Passing the
+// model's ~900 tensors to every call (each converted by pybind11, its TensorImpl touched
+// after the weight stream evicted it) and checking them again cost ~0.35 ms a step, ~4% of
+// a batch-1 step of the bundled model (docs/BENCHMARKS.md, "Where a batch-1 step's time goes").
+class DecodeModel {
+ public:
+  DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> layer_tensors, std::vector<int64_t> kinds,
+              std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows, int64_t num_heads,
+              int64_t num_kv_heads, double scale, double eps, torch::Tensor final_norm, torch::Tensor lm_head,
+              torch::Tensor lm_head_scales, std::vector<torch::Tensor> argmax_head,
+              std::vector<torch::Tensor> c12_weights)
+      : embedding_(std::move(embedding)), layer_tensors_(std::move(layer_tensors)), kinds_(std::move(kinds)),
+        kv_caches_(std::move(kv_caches)), windows_(std::move(windows)), num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads), scale_(scale), eps_(eps), final_norm_(std::move(final_norm)),
+        lm_head_(std::move(lm_head)), lm_head_scales_(std::move(lm_head_scales)),
+        argmax_head_(std::move(argmax_head)), c12_weights_(std::move(c12_weights)) {
+    check_decode_model(args());
+  }
+
+  // One step (bf16_decode_layers' arguments of these names); `logits`: the head's logits,
+  // `argmax`: the greedy head's route (where the model has its copy and the rows allow it).
+  torch::Tensor run(const torch::Tensor& input_ids, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const torch::Tensor& positions, const torch::Tensor& slot_mapping,
+                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                    const torch::Tensor& query_start_loc, int64_t q_chunk, int64_t few_rows, int64_t block_over,
+                    int64_t key_part, const torch::Tensor& out_rows, bool logits, bool argmax,
+                    const std::vector<torch::Tensor>& lora, const torch::Tensor& lora_rows) const {
+    return run_decode_layers(args(), input_ids, cos, sin, positions, slot_mapping, block_tables, seq_lens,
+                             query_start_loc, q_chunk, few_rows, block_over, key_part, out_rows, logits, argmax, lora,
+                             lora_rows);
+  }
+
+ private:
+  DecodeModelArgs args() const {
+    return {embedding_, layer_tensors_, kinds_, kv_caches_, windows_, num_heads_, num_kv_heads_, scale_, eps_,
+            final_norm_, lm_head_, lm_head_scales_, argmax_head_, c12_weights_};
+  }
+
+  torch::Tensor embedding_;
+  std::vector<torch::Tensor> layer_tensors_;
+  std::vector<int64_t> kinds_;
+  std::vector<torch::Tensor> kv_caches_;
+  std::vector<int64_t> windows_;
+  int64_t num_heads_, num_kv_heads_;
+  double scale_, eps_;
+  torch::Tensor final_norm_, lm_head_, lm_head_scales_;
+  std::vector<torch::Tensor> argmax_head_, c12_weights_;
+};
 
 // The index of each row's largest value, as torch.argmax(dim=-1) gives it: the first
 // index of the maximum; a row holding a NaN gives its first NaN (NaN compares greatest).
@@ -3412,6 +3634,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemv", &int4_gemv, release());
   m.def("bf16_silu_mlp", &bf16_silu_mlp, release());
   m.def("bf16_decode_layers", &bf16_decode_layers, release());
+  py::class_<DecodeModel>(m, "DecodeModel")
+      .def(py::init<torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
+                    std::vector<int64_t>, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, torch::Tensor,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
+      .def("run", &DecodeModel::run, release());
   m.def("argmax_head_logits", &argmax_head_logits, release());
   m.def("pack_c12_weight", &pack_c12_weight, release());
   m.def("c12_linear", &c12_linear, release());
@@ -3420,5 +3647,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, release());
   m.def("argmax_rows", &argmax_rows, release());
   m.def("set_openmp_loops", &set_openmp_loops);
+  // The fused decode call's phase clock (PhaseClock): start zeroes and turns it on; stop
+  // turns it off and returns (calls, {phase: (total seconds, times it ran)}).
+  m.def("decode_phase_times_start", []() {
+    std::fill(std::begin(g_phase_ns), std::end(g_phase_ns), 0.0);
+    std::fill(std::begin(g_phase_marks), std::end(g_phase_marks), 0);
+    g_phase_calls = 0;
+    g_phase_on = true;
+  });
+  m.def("decode_phase_times_stop", []() {
+    g_phase_on = false;
+    std::map<std::string, std::pair<double, int64_t>> phases;
+    for (int p = 0; p < kPhaseCount; ++p) phases[kPhaseNames[p]] = {g_phase_ns[p] * 1e-9, g_phase_marks[p]};
+    return std::make_pair(g_phase_calls, phases);
+  });
   m.def("set_kernel_threads", &set_kernel_threads);
 }

@@ -351,3 +351,58 @@ def test_the_12bit_copies_are_made_only_where_they_fit(monkeypatch):
     monkeypatch.setenv("PAGODA_CPU_12BIT_WEIGHTS", "0")
     off = FusedDecodeLayers.build(model)
     assert off.c12 is None and off.c12_skipped is None
+
+
+def test_the_model_side_is_made_and_checked_once_and_follows_new_caches():
+    """`FusedDecodeLayers` hands the model's tensors to C++ once (`cpu_kernels.DecodeModel`,
+    checked when made); later steps over the same caches reuse it, and a step over other
+    caches makes a new one: its keys land in those caches, as the per-op forward's do."""
+    model = make_model("llama")
+    fused = FusedDecodeLayers.build(model)
+    ops = get_ops("cpu", torch.device("cpu"))
+    input_ids, positions, caches, meta = make_step(model, BATCHES["two decodes"])
+    model.fused_decode = fused
+    try:
+        first = model(input_ids, positions, caches, meta, ops)
+        held = fused._held
+        assert held is not None and all(a is b for a, b in zip(held.kv_caches, [c for pair in caches for c in pair]))
+        again = model(input_ids, positions, caches, meta, ops)
+        assert fused._held is held and torch.equal(again, first)
+        other_caches = [(k.clone(), v.clone()) for k, v in caches]
+        for k, v in other_caches:
+            k.zero_(), v.zero_()
+        model(input_ids, positions, other_caches, meta, ops)
+        assert fused._held is not held
+        held = fused._held
+        fused.c12 = None  # the 12-bit copies set aside (bench_decode_paths' 16-bit path): made anew
+        model(input_ids, positions, [(k.clone(), v.clone()) for k, v in caches], meta, ops)
+        assert fused._held is not held
+    finally:
+        model.fused_decode = None
+    _, expected_caches = forward(model, None, input_ids, positions, [(k.clone(), v.clone()) for k, v in other_caches],
+                                 meta)
+    for (k, v), (ek, ev) in zip(other_caches, expected_caches):
+        assert torch.equal(k, ek) and torch.equal(v, ev) and k.abs().sum() > 0
+
+
+def test_the_held_model_is_checked_when_made():
+    """A tensor the kernels cannot take is refused when the held model is made, naming it,
+    not at some later step: an unpacked weight, a norm of the wrong size."""
+    model = make_model("llama")
+    fused = FusedDecodeLayers.build(model)
+    _, _, caches, _ = make_step(model, BATCHES["one decode"])
+    flat = [c for pair in caches for c in pair]
+
+    def held(tensors):
+        return cpu_kernels.DecodeModel(fused.embedding, tensors, fused.kinds, flat, fused.windows, fused.num_heads,
+                                       fused.num_kv_heads, fused.scale, fused.eps, fused.final_norm, fused.lm_head)
+
+    held(fused.tensors)  # as built: accepted
+    unpacked = list(fused.tensors)
+    unpacked[1] = cpu_kernels.unpack_bf16_weight(unpacked[1])  # layer 0's qkv weight as a plain tensor
+    with pytest.raises(RuntimeError, match="qkv: a bf16 weight packed by pack_bf16_weight expected"):
+        held(unpacked)
+    short_norm = list(fused.tensors)
+    short_norm[0] = short_norm[0][:-1]
+    with pytest.raises(RuntimeError, match="norm weights"):
+        held(short_norm)

@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(not cpu_kernels.bf16_gemv_available(), reason="the fused decode call needs AVX512-BF16")
-def test_bench_decode_paths_reports_every_path():
+def test_bench_decode_paths_reports_every_path_and_the_fused_steps_phases():
     out = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench_decode_paths", "--rounds", "1"],
+        [sys.executable, "-m", "loadtest.bench_decode_paths", "--rounds", "1", "--phases"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     ).stdout
     paths = ("| fused |", "| fused, whole head |", "| fused, 16-bit weights |", "| per-op |")
@@ -31,6 +31,16 @@ def test_bench_decode_paths_reports_every_path():
     # MB, and the layers' 12-bit copies (212 -> 160 MB) in place of their bf16 weights.
     fused = "189 MB on the fused path: greedy head, 12-bit copies" if c12 else "241 MB on the fused path: greedy head"
     assert f"weights read per step 269 MB ({fused})" in out, out
+    # --phases: the call's clock (csrc PhaseClock) by phase, in the order a step runs them;
+    # the linears' and the head's weight bytes add up to the fused path's 189 MB (241 MB).
+    table = out[out.index("The fused step by phase"):]
+    phase_rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in table.splitlines()
+                  if line.startswith("| ") and not line.startswith("| phase")}
+    assert list(phase_rows) == ["setup", "norms", "qkv", "rope_cache", "attention", "o_proj", "gate_up", "silu",
+                                "down", "head", "outside the call"], out
+    assert all(float(cells[0]) > 0 for name, cells in phase_rows.items() if name != "outside the call"), out
+    megabytes = sum(float(cells[2]) for cells in phase_rows.values() if cells[2].strip())
+    assert round(megabytes) == (189 if c12 else 241), out
 
 
 @pytest.mark.skipif(not cpu_kernels.bf16_gemv_available(), reason="the fused decode call needs AVX512-BF16")
