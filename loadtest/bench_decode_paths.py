@@ -106,20 +106,24 @@ def phase_seconds(llm, sampling_params, batch: int = 1) -> dict[str, float]:
     return per_step
 
 
-def linear_bytes(fused, batch: int) -> dict[str, int]:
-    """Weight bytes a fused step of `batch` rows reads in each linear phase (all layers)
-    and in the head."""
+def linear_work(fused, batch: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(weight bytes, multiply-adds a row) of a fused step of `batch` rows in each linear
+    phase (all layers) and in the head."""
     names = ["qkv", "o_proj", "gate_up", "down"]
-    out = dict.fromkeys(names, 0)
-    for index, weight in enumerate(fused.tensors[i] for layer in range(len(fused.windows))
-                                   for i in (14 * layer + 1, 14 * layer + 4, 14 * layer + 8, 14 * layer + 11)):
+    read, macs = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    weights = [fused.tensors[14 * layer + i] for layer in range(len(fused.windows)) for i in (1, 4, 8, 11)]
+    for index, (weight, kind) in enumerate(zip(weights, fused.kinds)):
         copy = fused.c12[3 * index:3 * index + 3] if fused.c12 is not None and batch <= 2 else []
-        read = copy if copy and copy[0].numel() > 0 else [weight]
-        out[names[index % 4]] += sum(t.untyped_storage().nbytes() for t in read)
-    out["mlp"] = out["gate_up"] + out["down"]  # steps of 3+ rows: both in one kernel (bf16_silu_mlp)
+        tensors = copy if copy and copy[0].numel() > 0 else [weight]
+        read[names[index % 4]] += sum(t.untyped_storage().nbytes() for t in tensors)
+        # [N, K] as packed (an int4 weight: [N, K / 2] bytes; csrc DecodeLinear)
+        macs[names[index % 4]] += weight.shape[0] * weight.shape[1] * (2 if kind > 0 else 1)
+    for table in (read, macs):
+        table["mlp"] = table["gate_up"] + table["down"]  # steps of 3+ rows: both in one kernel (bf16_silu_mlp)
     head = fused.argmax_head if fused.argmax_head is not None and batch <= 4 else [fused.lm_head]
-    out["head"] = sum(t.untyped_storage().nbytes() for t in head if t is not None)
-    return out
+    read["head"] = sum(t.untyped_storage().nbytes() for t in head if t is not None)
+    macs["head"] = fused.embedding.numel()  # vocab x hidden (a tied or untied head alike)
+    return read, macs
 
 
 def main() -> None:
@@ -197,7 +201,7 @@ def main() -> None:
 
     weight_bytes = decode_weight_bytes(model)
     path_bytes = {p: weight_bytes for p in paths}
-    if greedy_head is not None:  # the int8 copy read in place of the bf16 head (batch 1: the route's rows)
+    if greedy_head is not None and args.batch <= 4:  # the int8 copy read in place of the bf16 head (the route's rows)
         head = fused.lm_head.untyped_storage().nbytes()
         for path in ("fused", "fused, 16-bit weights"):
             path_bytes[path] = weight_bytes - head + sum(t.untyped_storage().nbytes() for t in greedy_head)
@@ -228,18 +232,21 @@ def main() -> None:
               f"| {med / base:.2f}x |" + (f" {path_bytes[path] / (bandwidth * 1e9) / med:.0%} |" if bound_column else ""))
 
     if phases:
-        streamed = linear_bytes(fused, args.batch)
+        streamed, macs = linear_work(fused, args.batch)
         step = statistics.median(steps["fused"])
         print(f"\nThe fused step by phase (median of {len(phases)} measurements, per step; "
               f"GB/s: the phase's weight bytes over its time, the head's without the groups it computes "
-              f"exactly; read bandwidth {bandwidth:.1f} GB/s):\n")
-        print("| phase | ms a step | share of the step | weight MB | GB/s |")
-        print("|---|---:|---:|---:|---:|")
+              f"exactly, read bandwidth {bandwidth:.1f} GB/s; GFLOP/s: 2 x {args.batch} rows x its weights' "
+              f"multiply-adds a row over its time" + (f", the head's at the whole head's" if args.batch <= 4 else "")
+              + "):\n")
+        print("| phase | ms a step | share of the step | weight MB | GB/s | GFLOP/s |")
+        print("|---|---:|---:|---:|---:|---:|")
         for name in sorted(phases[0], key=lambda n: PHASE_ORDER.index(n) if n in PHASE_ORDER else len(PHASE_ORDER)):
             med = statistics.median(p.get(name, 0.0) for p in phases)
             mb = streamed.get(name)
             print(f"| {name} | {med * 1e3:.3f} | {med / step:.1%} | "
-                  + (f"{mb / 1e6:.1f} | {mb / med / 1e9:.1f} |" if mb and med > 0 else "| |"))
+                  + (f"{mb / 1e6:.1f} | {mb / med / 1e9:.1f} | {2 * args.batch * macs[name] / med / 1e9:.0f} |"
+                     if mb and med > 0 else "| | |"))
 
 
 if __name__ == "__main__":
