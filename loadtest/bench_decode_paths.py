@@ -197,7 +197,10 @@ def main() -> None:
         print(f"round {r + 1}: read {bandwidths[-1]:.1f} GB/s, "
               + ", ".join(f"{p} {steps[p][-1] * 1e3:.2f} ms" for p in paths), file=sys.stderr, flush=True)
     use("fused")
-    phases = [phase_seconds(llm, params, args.batch) for _ in range(args.rounds)] if args.phases else []
+    phases, phase_bandwidths = [], []
+    for _ in range(args.rounds if args.phases else 0):  # each with the bandwidth of its moment
+        phase_bandwidths.append(measure_read_bandwidth_gbs())
+        phases.append(phase_seconds(llm, params, args.batch))
 
     weight_bytes = decode_weight_bytes(model)
     path_bytes = {p: weight_bytes for p in paths}
@@ -233,16 +236,19 @@ def main() -> None:
 
     if phases:
         streamed, macs = linear_work(fused, args.batch)
-        step = statistics.median(steps["fused"])
-        print(f"\nThe fused step by phase (median of {len(phases)} measurements, per step; "
+        medians = {name: statistics.median(p.get(name, 0.0) for p in phases) for name in phases[0]}
+        # The shares are of these measurements' own step (their phases' sum): the VM's memory
+        # may have changed pace since the rounds above.
+        step = sum(medians.values())
+        print(f"\nThe fused step by phase, {step * 1e3:.2f} ms (median of {len(phases)} measurements, per step; "
               f"GB/s: the phase's weight bytes over its time, the head's without the groups it computes "
-              f"exactly, read bandwidth {bandwidth:.1f} GB/s; GFLOP/s: 2 x {args.batch} rows x its weights' "
+              f"exactly, read bandwidth {statistics.median(phase_bandwidths):.1f} GB/s beside them; GFLOP/s: 2 x {args.batch} rows x its weights' "
               f"multiply-adds a row over its time" + (f", the head's at the whole head's" if args.batch <= 4 else "")
               + "):\n")
         print("| phase | ms a step | share of the step | weight MB | GB/s | GFLOP/s |")
         print("|---|---:|---:|---:|---:|---:|")
         for name in sorted(phases[0], key=lambda n: PHASE_ORDER.index(n) if n in PHASE_ORDER else len(PHASE_ORDER)):
-            med = statistics.median(p.get(name, 0.0) for p in phases)
+            med = medians[name]
             mb = streamed.get(name)
             print(f"| {name} | {med * 1e3:.3f} | {med / step:.1%} | "
                   + (f"{mb / 1e6:.1f} | {mb / med / 1e9:.1f} | {2 * args.batch * macs[name] / med / 1e9:.0f} |"

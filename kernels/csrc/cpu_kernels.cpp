@@ -2131,6 +2131,12 @@ void int8_linear_impl(const uint16_t* x, const int8_t* packed, const uint16_t* s
 // bytes of codes, byte i holding vector 0's word i (low nibble) and vector 1's (high).
 
 #if defined(__AVX512VBMI2__)
+// How far ahead of its line the 12-bit tile prefetches into L2: 4 KB (~43 lines). The bf16
+// kernel's 8 KB made the batch-1 step 3.5% (1B-class) to 6% (bundled) slower in an in-process
+// A/B of the distance (development script, 2026-12-07: 2-32 KB and none; 4 KB and none were
+// best on the 1B-class model, 4 KB on the bundled one, at both of this VM's memory paces).
+constexpr int64_t kC12PrefetchAhead = 4096;
+
 // One vector of a 12-bit pair line: 32 weights' exact bf16 bits. `code7`: the codes shifted
 // left by 7 (masked to bits 7-10); escape lanes are filled from `*exceptions` in lane order.
 inline __m512bh c12_vector(__m512i mantissa_sign, __m512i code7, __m512i exponent7, const uint16_t*& exceptions) {
@@ -2165,8 +2171,8 @@ inline void c12_tile(const uint16_t* __restrict x, const uint8_t* __restrict pg,
     __m512bh w[2 * G];
     for (int g = 0; g < G; ++g) {
       const uint8_t* line = pg + g * gs + kC12Header + kp * kC12Line;
-      _mm_prefetch(reinterpret_cast<const char*>(line + 2 * kPrefetchL2Ahead), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(line + 2 * kPrefetchL2Ahead + 64), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(line + kC12PrefetchAhead), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(line + kC12PrefetchAhead + 64), _MM_HINT_T1);
       const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 64)));
       const __m512i nib_mask = _mm512_set1_epi16(0x0F << 7);
       const __m512i c0 = _mm512_and_si512(_mm512_slli_epi16(codes, 7), nib_mask);
