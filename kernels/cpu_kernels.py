@@ -298,16 +298,22 @@ def bf16_decode_layers(input_ids: torch.Tensor, embedding: torch.Tensor, layer_t
     `lora`, `lora_rows`: a step with LoRA rows (engine/lora.py `LoraManager.fused_tensors`):
     a, bt, offsets per linear and layer, and each row's adapter group; each linear's deltas
     are added by `lora_add` as the per-op forward's hooks add them."""
-    invariant = invariant or kv_caches[0].dtype == torch.int8
-    q_chunk = INVARIANT_Q_CHUNK if invariant else _few_rows_per_item(num_heads, num_kv_heads)
     return load().bf16_decode_layers(input_ids, embedding, layer_tensors, kinds, kv_caches, windows, cos, sin,
                                      positions, slot_mapping, block_tables, seq_lens, query_start_loc, num_heads,
-                                     num_kv_heads, scale, eps, q_chunk, FEW_ROWS,
-                                     0 if invariant else BLOCK_MIN_ROWS, KEY_PART if invariant else 0, final_norm,
+                                     num_kv_heads, scale, eps,
+                                     *_decode_route(num_heads, num_kv_heads, invariant, kv_caches), final_norm,
                                      out_rows, lm_head if lm_head is not None else _EMPTY_BF16,
                                      lm_head_scales if lm_head_scales is not None else _EMPTY_BF16,
                                      argmax_head or [], c12 or [], lora or [],
                                      lora_rows if lora_rows is not None else _EMPTY_ROWS)
+
+
+def _decode_route(num_heads: int, num_kv_heads: int, invariant: bool, kv_caches: list[torch.Tensor]) -> tuple:
+    """The fused call's attention routing (q_chunk, few_rows, block_over, key_part): the
+    batch-invariant route, which an int8 cache always takes, or the few-row and blocked loops."""
+    invariant = invariant or kv_caches[0].dtype == torch.int8
+    return (INVARIANT_Q_CHUNK if invariant else _few_rows_per_item(num_heads, num_kv_heads), FEW_ROWS,
+            0 if invariant else BLOCK_MIN_ROWS, KEY_PART if invariant else 0)
 
 
 _EMPTY_BF16 = torch.empty(0, dtype=torch.bfloat16)  # no LM head: bf16_decode_layers returns the hidden rows
@@ -320,24 +326,26 @@ class DecodeModel:
     once, here; a step then passes only its own tensors (`__call__`). Passing the model's ~900
     tensors to every call, each converted by pybind11 and checked again, cost ~0.35 ms a step
     (docs/BENCHMARKS.md, "Where a batch-1 step's time goes"). The arguments are
-    `bf16_decode_layers`' of the same names; `kv_caches` is kept (`self.kv_caches`) so that a
-    caller can tell whether the caches it has are these."""
+    `bf16_decode_layers`' of the same names; `holds` tells a caller whether its caches and
+    copies are the ones held."""
 
     def __init__(self, embedding: torch.Tensor, layer_tensors: list[torch.Tensor], kinds: list[int],
                  kv_caches: list[torch.Tensor], windows: list[int], num_heads: int, num_kv_heads: int, scale: float,
                  eps: float, final_norm: torch.Tensor, lm_head: torch.Tensor | None = None,
                  lm_head_scales: torch.Tensor | None = None, invariant: bool = False,
                  argmax_head: list[torch.Tensor] | None = None, c12: list[torch.Tensor] | None = None) -> None:
-        self.kv_caches = list(kv_caches)
-        invariant = invariant or kv_caches[0].dtype == torch.int8
-        self._route = (INVARIANT_Q_CHUNK if invariant else _few_rows_per_item(num_heads, num_kv_heads), FEW_ROWS,
-                       0 if invariant else BLOCK_MIN_ROWS, KEY_PART if invariant else 0)
-        self.has_head = lm_head is not None
-        self.has_argmax_head = bool(argmax_head)
+        self.kv_caches, self.argmax_head, self.c12 = list(kv_caches), argmax_head, c12
+        self._route = _decode_route(num_heads, num_kv_heads, invariant, kv_caches)
         self._model = load().DecodeModel(
             embedding, layer_tensors, kinds, self.kv_caches, windows, num_heads, num_kv_heads, scale, eps, final_norm,
             lm_head if lm_head is not None else _EMPTY_BF16,
             lm_head_scales if lm_head_scales is not None else _EMPTY_BF16, argmax_head or [], c12 or [])
+
+    def holds(self, kv_caches: list[torch.Tensor], argmax_head: list[torch.Tensor] | None,
+              c12: list[torch.Tensor] | None) -> bool:
+        """Whether these are the caches (the same tensors, in order) and copies it was made with."""
+        return (argmax_head is self.argmax_head and c12 is self.c12 and len(kv_caches) == len(self.kv_caches)
+                and all(a is b for a, b in zip(kv_caches, self.kv_caches)))
 
     def __call__(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -347,7 +355,7 @@ class DecodeModel:
         logits (the model was given a head); `argmax`: through the greedy head's copy (given
         one) where the step's rows only take their argmax."""
         return self._model.run(input_ids, cos, sin, positions, slot_mapping, block_tables, seq_lens, query_start_loc,
-                               *self._route, out_rows, logits, argmax and self.has_argmax_head, lora or [],
+                               *self._route, out_rows, logits, argmax, lora or [],
                                lora_rows if lora_rows is not None else _EMPTY_ROWS)
 
 

@@ -414,7 +414,6 @@ class FusedDecodeLayers:
         self.rope = model.rope
         # The C++ side's copy of all this (cpu_kernels.DecodeModel), made at the first step.
         self._held: cpu_kernels.DecodeModel | None = None
-        self._held_copies: tuple = (None, None)  # the argmax_head and c12 lists it holds
 
     def _add_linear(self, linear: nn.Module) -> None:
         none = torch.empty(0, dtype=torch.bfloat16)
@@ -476,15 +475,13 @@ class FusedDecodeLayers:
         -inf elsewhere (`self.argmax_head`)."""
         caches = [c for pair in kv_caches for c in pair]
         held = self._held
-        if (held is None or self._held_copies[0] is not self.argmax_head or self._held_copies[1] is not self.c12
-                or len(held.kv_caches) != len(caches) or any(a is not b for a, b in zip(held.kv_caches, caches))):
+        if held is None or not held.holds(caches, self.argmax_head, self.c12):
             # Made (and checked) once, at the first step, and again only if the caches or the
             # copies (set aside for an A/B: loadtest/bench_decode_paths.py) change.
             held = self._held = cpu_kernels.DecodeModel(
                 self.embedding, self.tensors, self.kinds, caches, self.windows, self.num_heads, self.num_kv_heads,
                 self.scale, self.eps, self.final_norm, self.lm_head, self.lm_head_scales,
                 invariant=self.batch_invariant, argmax_head=self.argmax_head, c12=self.c12)
-            self._held_copies = (self.argmax_head, self.c12)
         return held(input_ids.contiguous(), *self.rope.tables(), positions, meta.slot_mapping, meta.block_tables,
                     meta.seq_lens, meta.query_start_loc, meta.logits_indices, logits=logits,
                     argmax=logits and meta.argmax_only, lora=lora[0] if lora else None,

@@ -1620,10 +1620,6 @@ void cache_int8_rows(const torch::Tensor& src, const torch::Tensor& cache, const
   for (int64_t h = 0; h < Hkv; ++h) quantize_row_int8(x + h * D, dst + h * (D + 2), D);
 }
 
-}  // namespace
-
-namespace {
-
 // T tokens' key and value rows of `bytes` each (k + t * ks, v + t * vs) into their cache
 // slots (slot * bytes into kc, vc); a negative slot is skipped (padding).
 void copy_kv_rows(const char* k, int64_t ks, const char* v, int64_t vs, int64_t bytes, char* kc, char* vc,
@@ -3042,12 +3038,16 @@ torch::Tensor argmax_head_logits(const torch::Tensor& x, const torch::Tensor& he
 // next loops needed (a 32-row step of the 1B-class model: docs/BENCHMARKS.md, "The in-step gap
 // was the development script's OpenMP policy").
 // These copies are a few hundred KB at most: a thread does them in microseconds.
-torch::Tensor gather_rows(const torch::Tensor& src, int64_t stride, const int64_t* index, int64_t R, int64_t n) {
-  torch::Tensor out = torch::empty({R, n}, src.options());
-  const auto* from = reinterpret_cast<const uint16_t*>(src.data_ptr());
-  auto* to = reinterpret_cast<uint16_t*>(out.data_ptr());
+// The copy itself, into rows of n at `to`: src row index[r] (or r) of stride `stride`.
+void copy_rows(uint16_t* to, const uint16_t* from, int64_t stride, const int64_t* index, int64_t R, int64_t n) {
   for (int64_t r = 0; r < R; ++r)
     std::memcpy(to + r * n, from + (index ? index[r] : r) * stride, n * sizeof(uint16_t));
+}
+
+torch::Tensor gather_rows(const torch::Tensor& src, int64_t stride, const int64_t* index, int64_t R, int64_t n) {
+  torch::Tensor out = torch::empty({R, n}, src.options());
+  copy_rows(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(src.data_ptr()), stride,
+            index, R, n);
   return out;
 }
 
@@ -3202,6 +3202,8 @@ DecodeLinear decode_linear(const DecodeModelArgs& a, size_t l, int i) {
   return linear;
 }
 
+// The model side's checks (every layer's norms, linears and caches against one another and
+// against layer 0's head size, which run_decode_layers' buffers take for all layers).
 void check_decode_model(const DecodeModelArgs& a) {
   const size_t L = a.windows.size();
   const int64_t H = a.num_heads, Hkv = a.num_kv_heads;
@@ -3224,6 +3226,7 @@ void check_decode_model(const DecodeModelArgs& a) {
               "bf16_decode_layers: an LM head is a bfloat16 [vocab, hidden] packed by pack_bf16_weight, or an int8 one ",
               "packed by pack_int8_weight with bfloat16 row scales (and needs the GEMV)");
   const at::ScalarType cache_type = a.kv_caches[0].scalar_type();
+  const int64_t D0 = decode_linear(a, 0, 0).out_features() / (H + 2 * Hkv);
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* t = &a.layer_tensors[kDecodeTensorsPerLayer * l];
     for (int i : {0, 7}) {
@@ -3239,7 +3242,7 @@ void check_decode_model(const DecodeModelArgs& a) {
     const int64_t D = qkv.out_features() / (H + 2 * Hkv), I = down.in_features();
     TORCH_CHECK(qkv.out_features() == (H + 2 * Hkv) * D && gate_up.out_features() == 2 * I &&
                     o.out_features() == hidden && down.out_features() == hidden &&
-                    D == decode_linear(a, 0, 0).out_features() / (H + 2 * Hkv),
+                    D == D0,
                 "bf16_decode_layers: layer ", l, ": linear shapes do not fit one another (or layer 0's head size)");
     qkv.check(hidden, "qkv");
     o.check(H * D, "o");
@@ -3321,7 +3324,7 @@ torch::Tensor run_decode_layers(const DecodeModelArgs& a, const torch::Tensor& i
   // The queries (copied out of the QKV output: attention reads them contiguous) and the
   // attention's output, one buffer each for every layer (check_decode_model: every layer has
   // layer 0's head size).
-  const int64_t D0 = L > 0 ? linear_of(0, 0).out_features() / (H + 2 * Hkv) : 0;
+  const int64_t D0 = linear_of(0, 0).out_features() / (H + 2 * Hkv);
   torch::Tensor q = torch::empty({M, H, D0}, opts), o = torch::empty({M, H, D0}, opts);
   const torch::Tensor attn_in = o.view({M, H * D0});
   clock.mark(kPhaseSetup);
@@ -3363,9 +3366,8 @@ torch::Tensor run_decode_layers(const DecodeModelArgs& a, const torch::Tensor& i
                    kv_bytes, static_cast<char*>(kv_caches[2 * l].data_ptr()),
                    static_cast<char*>(kv_caches[2 * l + 1].data_ptr()), slot_mapping.data_ptr<int64_t>(), M);
     }
-    auto* q_rows = reinterpret_cast<uint16_t*>(q.data_ptr());
-    for (int64_t m = 0; m < M; ++m)
-      std::memcpy(q_rows + m * H * D, reinterpret_cast<const uint16_t*>(qkv_rows) + m * qkv_stride, H * D * sizeof(uint16_t));
+    copy_rows(reinterpret_cast<uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(qkv_rows), qkv_stride,
+              nullptr, M, H * D);
     clock.mark(kPhaseRopeCache);
     if (kv_caches[2 * l].scalar_type() == at::kChar) {
       paged_attention_int8(o, q, kv_caches[2 * l], kv_caches[2 * l + 1], bt, seq_lens, query_start_loc, scale,
