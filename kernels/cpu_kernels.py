@@ -43,6 +43,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -177,6 +178,20 @@ def bf16_gemv_available() -> bool:
         module = load()
         _state["bf16_gemv"] = module is not None and bool(module.has_bf16_gemv()) and "avx512_bf16" in _cpu_flags().split()
     return bool(_state["bf16_gemv"])
+
+
+def bf16_dot_peak_gflops(seconds: float = 0.1, tries: int = 3) -> float:
+    """The bf16 multiply-add ceiling of this machine's kernel threads, measured now (C++
+    `bf16_dot_peak_gflops`: each thread issuing vdpbf16ps on registers only), GFLOP/s: the
+    best of `tries` runs of about `seconds` each; 0.0 where the bf16 kernels do not run. A
+    physical limit in the same run as a linear's GFLOP/s (loadtest/bench_decode_paths.py)."""
+    if not bf16_gemv_available():
+        return 0.0
+    module = load()
+    start = time.perf_counter()
+    rate = module.bf16_dot_peak_gflops(100_000)  # a few ms: sizes the runs
+    iterations = max(1, int(100_000 * seconds / (time.perf_counter() - start)))
+    return max([rate] + [module.bf16_dot_peak_gflops(iterations) for _ in range(tries)])
 
 
 def c12_available() -> bool:

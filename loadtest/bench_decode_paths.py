@@ -44,7 +44,9 @@ bound by its arithmetic instead (`loadtest.bench_offline` measures that bound), 
 csrc/cpu_kernels.cpp `PhaseClock`: the norms, each linear, rotary and the cache write,
 attention, the SiLU, the head, and the engine's Python around the call), each phase's time
 per step over `--rounds` measurements (median), and for the linears and the head the GB/s
-their weight bytes streamed at (the bandwidth is the median measured between the rounds).
+their weight bytes streamed at (the bandwidth is the median measured between the rounds)
+and their GFLOP/s as a fraction of the bf16 multiply-add peak measured beside them (every
+kernel thread issuing vdpbf16ps on registers: what a many-row step's linears cannot pass).
 """
 
 from __future__ import annotations
@@ -111,8 +113,7 @@ def linear_work(fused, batch: int) -> tuple[dict[str, int], dict[str, int]]:
     phase (all layers) and in the head."""
     names = ["qkv", "o_proj", "gate_up", "down"]
     read, macs = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
-    weights = [fused.tensors[14 * layer + i] for layer in range(len(fused.windows)) for i in (1, 4, 8, 11)]
-    for index, (weight, kind) in enumerate(zip(weights, fused.kinds)):
+    for index, (weight, kind) in enumerate(zip(fused.linear_weights, fused.kinds, strict=True)):
         copy = fused.c12[3 * index:3 * index + 3] if fused.c12 is not None and batch <= 2 else []
         tensors = copy if copy and copy[0].numel() > 0 else [weight]
         read[names[index % 4]] += sum(t.untyped_storage().nbytes() for t in tensors)
@@ -145,6 +146,7 @@ def main() -> None:
     from engine import LLM, SamplingParams
     import engine.quantization.linears as linears
     from engine.quantization.linears import Int8Linear
+    from kernels import cpu_kernels
 
     if args.torch_int4 and args.quantization != "int4":
         parser.error("--torch-int4 compares INT4 kernels: give --quantization int4")
@@ -197,9 +199,10 @@ def main() -> None:
         print(f"round {r + 1}: read {bandwidths[-1]:.1f} GB/s, "
               + ", ".join(f"{p} {steps[p][-1] * 1e3:.2f} ms" for p in paths), file=sys.stderr, flush=True)
     use("fused")
-    phases, phase_bandwidths = [], []
-    for _ in range(args.rounds if args.phases else 0):  # each with the bandwidth of its moment
+    phases, phase_bandwidths, phase_peaks = [], [], []
+    for _ in range(args.rounds if args.phases else 0):  # each with the bandwidth and FLOP peak of its moment
         phase_bandwidths.append(measure_read_bandwidth_gbs())
+        phase_peaks.append(cpu_kernels.bf16_dot_peak_gflops())
         phases.append(phase_seconds(llm, params, args.batch))
 
     weight_bytes = decode_weight_bytes(model)
@@ -240,19 +243,22 @@ def main() -> None:
         # The shares are of these measurements' own step (their phases' sum): the VM's memory
         # may have changed pace since the rounds above.
         step = sum(medians.values())
+        peak = statistics.median(phase_peaks)
         print(f"\nThe fused step by phase, {step * 1e3:.2f} ms (median of {len(phases)} measurements, per step; "
               f"GB/s: the phase's weight bytes over its time, the head's without the groups it computes "
               f"exactly, read bandwidth {statistics.median(phase_bandwidths):.1f} GB/s beside them; GFLOP/s: 2 x {args.batch} rows x its weights' "
               f"multiply-adds a row over its time" + (f", the head's at the whole head's" if args.batch <= 4 else "")
-              + "):\n")
-        print("| phase | ms a step | share of the step | weight MB | GB/s | GFLOP/s |")
-        print("|---|---:|---:|---:|---:|---:|")
+              + f"; of peak: of the bf16 multiply-add peak measured beside them, {peak:.0f} GFLOP/s "
+              f"(vdpbf16ps on registers, every kernel thread: `cpu_kernels.bf16_dot_peak_gflops`)):\n")
+        print("| phase | ms a step | share of the step | weight MB | GB/s | GFLOP/s | of peak |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for name in sorted(phases[0], key=lambda n: PHASE_ORDER.index(n) if n in PHASE_ORDER else len(PHASE_ORDER)):
             med = medians[name]
             mb = streamed.get(name)
+            gflops = 2 * args.batch * macs[name] / med / 1e9 if mb and med > 0 else 0.0
             print(f"| {name} | {med * 1e3:.3f} | {med / step:.1%} | "
-                  + (f"{mb / 1e6:.1f} | {mb / med / 1e9:.1f} | {2 * args.batch * macs[name] / med / 1e9:.0f} |"
-                     if mb and med > 0 else "| | |"))
+                  + (f"{mb / 1e6:.1f} | {mb / med / 1e9:.1f} | {gflops:.0f} | {gflops / peak:.0%} |"
+                     if gflops and peak else "| | | |"))
 
 
 if __name__ == "__main__":

@@ -341,6 +341,9 @@ class FusedDecodeLayers:
         self.eps = args.rms_norm_eps
         self.tensors: list[torch.Tensor] = []
         self.kinds: list[int] = []
+        # Each linear's kernel weight in call order (per layer: qkv, o_proj, gate_up, down),
+        # as `self.tensors` holds it among the rest: what a step reads (bench_decode_paths).
+        self.linear_weights: list[torch.Tensor] = []
         self.windows: list[int] = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -418,6 +421,7 @@ class FusedDecodeLayers:
     def _add_linear(self, linear: nn.Module) -> None:
         none = torch.empty(0, dtype=torch.bfloat16)
         bias = none if linear.bias is None else linear.bias
+        self.linear_weights.append(linear.kernel_weight)
         if type(linear) is Linear:
             self.tensors += [linear.kernel_weight, bias, none]
             self.kinds.append(0)

@@ -2483,6 +2483,42 @@ constexpr bool kHaveBf16Gemv = false;
 // that has it). Python checks it before routing (kernels/cpu_kernels.py).
 bool has_bf16_gemv() { return kHaveBf16Gemv; }
 
+// This machine's ceiling for the bf16 kernels' arithmetic, measured: every kernel thread
+// issues `iterations` x 24 vdpbf16ps on registers only (24 independent chains: no memory
+// operand, no chain waiting on its own latency), 2 x 32 FLOPs each. GFLOP/s over all the
+// threads, from the first thread's start to the last one's end; 0 in a build without
+// AVX512-BF16. The linears' GFLOP/s are a fraction of it (loadtest/bench_decode_paths.py
+// --phases): what no tile can pass, whatever it does with memory.
+double bf16_dot_peak_gflops(int64_t iterations) {
+#if defined(__AVX512BF16__)
+  const int64_t threads = kernel_threads();
+  std::vector<float> sink(threads, 0.f);
+  const auto start = std::chrono::steady_clock::now();
+  parallel_chunks(threads, [&](int64_t t) {
+    __m512 acc[24];
+#pragma GCC unroll 24
+    for (int j = 0; j < 24; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j));  // distinct: not one chain
+    __m512bh x = (__m512bh)_mm512_set1_epi32(0x3F803F80), w = (__m512bh)_mm512_set1_epi32(0x3C003C00);
+    for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 24  // the chains in registers (a loop over the array kept them in memory)
+      for (int j = 0; j < 24; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], x, w);
+      __asm__ volatile("" : "+v"(x));  // x may change: the products are not hoisted out of the loop
+    }
+    __m512 total = _mm512_setzero_ps();
+#pragma GCC unroll 24
+    for (int j = 0; j < 24; ++j) total = _mm512_add_ps(total, acc[j]);
+    sink[t] = _mm512_reduce_add_ps(total);
+  }, threads);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile float keep = sink[0];  // the sums are used
+  (void)keep;
+  return 2.0 * 32 * 24 * static_cast<double>(iterations) * static_cast<double>(threads) / seconds / 1e9;
+#else
+  (void)iterations;
+  return 0.0;
+#endif
+}
+
 namespace {
 
 // pack_bf16_weight's and pack_int8_weight's tensors: the packed groups (see
@@ -3634,6 +3670,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, release());
   m.def("rotary", &rotary, release());
   m.def("has_bf16_gemv", &has_bf16_gemv);
+  m.def("bf16_dot_peak_gflops", &bf16_dot_peak_gflops, release());
   m.def("pack_bf16_weight", &pack_bf16_weight, release());
   m.def("pack_int8_weight", &pack_int8_weight, release());
   m.def("bf16_gemv", &bf16_gemv, release());

@@ -4,6 +4,7 @@ forward) on the bundled model and reports them against the bound."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,12 @@ def test_bench_decode_paths_reports_every_path_and_the_fused_steps_phases():
     assert all(float(cells[0]) > 0 for name, cells in phase_rows.items() if name != "outside the call"), out
     megabytes = sum(float(cells[2]) for cells in phase_rows.values() if cells[2].strip())
     assert round(megabytes) == (189 if c12 else 241), out
+    # Each linear's and the head's GFLOP/s also as a share of the bf16 multiply-add peak
+    # measured beside the phases (a positive rate, so a share that is a number).
+    peak = float(re.search(r"multiply-add peak measured beside them, (\d+) GFLOP/s", table).group(1))
+    assert peak > 0, out
+    for name in ("qkv", "o_proj", "gate_up", "down", "head"):
+        assert re.fullmatch(r" \d+% ", phase_rows[name][5]), (name, out)
 
 
 @pytest.mark.skipif(not cpu_kernels.bf16_gemv_available(), reason="the fused decode call needs AVX512-BF16")
