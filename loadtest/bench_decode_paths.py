@@ -11,6 +11,8 @@ alternating in one process, against the read-bandwidth bound measured between ro
                                            # also the per-op path with torch's int4 kernel
     python -m loadtest.bench_decode_paths --batch 32             # a 32-row step (32 prompts)
     python -m loadtest.bench_decode_paths --phases               # and where the fused step's time goes
+    python -m loadtest.bench_decode_paths --batch 32 --baseline-rev HEAD~1
+                                           # also the fused call on HEAD~1's C++ kernels
 
 The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
 - fused: every decoder layer of the step in one C++ call (the engine's route), with the
@@ -20,6 +22,10 @@ The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
   step reads the whole bf16 head;
 - fused, 16-bit weights: the same without the bf16 linears' lossless 12-bit copies
   (`PAGODA_CPU_12BIT_WEIGHTS=0`), which steps of 1-2 rows read otherwise;
+- fused, REV's kernels (`--baseline-rev REV`): the same call on the C++ kernels of git
+  revision REV, built beside this tree's (`bench_linear.revision_kernels`): a kernel change
+  timed against what it replaced, in one process, the paths alternating. REV's kernels must
+  take this tree's call and packed layouts (2d8a700, the held `DecodeModel`, or later);
 - per-op: the model's Python forward, one kernel call per op (`PAGODA_CPU_FUSED_DECODE=0`);
 - per-op, torch int8 (`--int8-gemv`): also W8A16 through torch's `_weight_int8pack_mm`
   instead of Pagoda's int8 kernel (each `Int8Linear`'s packed copy set aside);
@@ -31,7 +37,7 @@ The process runs under `OMP_WAIT_POLICY=passive`, as `pagoda` does (loadtest/__i
 the variable is set (`OMP_WAIT_POLICY=active` gives torch's int4 kernel its spinning team).
 
 This VM's memory bandwidth drifts by up to 2x over minutes, so the paths take turns, round
-after round, and the read bandwidth (`bench_offline.measure_read_bandwidth_gbs`) is measured
+after round (every other round in reverse order), and the read bandwidth (`bench_offline.measure_read_bandwidth_gbs`) is measured
 at the start of each round. A path's decode step = (T(65 tokens) - T(1 token)) / 64 of one
 greedy prompt, or of `--batch` different ones at once (prefill and per-call costs cancel);
 its median over the rounds is reported with the median bound: bytes of weights a step reads
@@ -139,6 +145,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch", type=int, default=1, help="rows per step: this many prompts at once")
     parser.add_argument("--phases", action="store_true", help="also the fused step's time by phase")
+    parser.add_argument("--baseline-rev", default=None,
+                        help="also the fused call on this git revision's C++ kernels, built beside this tree's")
     args = parser.parse_args()
     if args.batch < 1:
         parser.error("--batch must be at least 1")
@@ -167,15 +175,27 @@ def main() -> None:
         sys.exit("the fused decode call does not run for this model here (the start-up log's decode_layers line says why)")
     int8_linears = {m: m.kernel_weight for m in model.modules() if isinstance(m, Int8Linear)}
     greedy_head, c12 = fused.argmax_head, fused.c12
+    own_kernels = cpu_kernels.load()
+    baseline_path = f"fused, {args.baseline_rev}'s kernels" if args.baseline_rev else None
+    baseline_kernels = None
+    if args.baseline_rev:
+        from loadtest.bench_linear import revision_kernels
+
+        baseline_kernels = revision_kernels(args.baseline_rev)
 
     def use(path: str) -> None:
+        # The kernels every call of this path goes through (`cpu_kernels.load()`'s module);
+        # the held model is made anew on them at the path's first step.
+        cpu_kernels._state["module"] = baseline_kernels if path == baseline_path else own_kernels
+        fused._held = None
         model.fused_decode = fused if path.startswith("fused") else None
         fused.argmax_head = None if path == "fused, whole head" else greedy_head
         fused.c12 = None if path == "fused, 16-bit weights" else c12
         for linear, packed in int8_linears.items():
             linear.kernel_weight = None if path == "per-op, torch int8" else packed
 
-    paths = (["fused"] + (["fused, whole head"] if greedy_head is not None and args.batch <= 4 else [])
+    paths = (["fused"] + ([baseline_path] if baseline_path else [])
+             + (["fused, whole head"] if greedy_head is not None and args.batch <= 4 else [])
              + (["fused, 16-bit weights"] if c12 is not None and args.batch <= 2 else []) + ["per-op"]
              + (["per-op, torch int8"] if args.int8_gemv else [])
              + (["per-op, torch int4"] if torch_int4 else []))
@@ -193,7 +213,7 @@ def main() -> None:
     bandwidths = []
     for r in range(args.rounds):
         bandwidths.append(measure_read_bandwidth_gbs())
-        for path in paths:
+        for path in (paths if r % 2 == 0 else paths[::-1]):  # each path first in turn: no order favours one
             use(path)
             steps[path].append(step_seconds(engine(path), params, args.batch))
         print(f"round {r + 1}: read {bandwidths[-1]:.1f} GB/s, "
@@ -209,10 +229,10 @@ def main() -> None:
     path_bytes = {p: weight_bytes for p in paths}
     if greedy_head is not None and args.batch <= 4:  # the int8 copy read in place of the bf16 head (the route's rows)
         head = fused.lm_head.untyped_storage().nbytes()
-        for path in ("fused", "fused, 16-bit weights"):
+        for path in {"fused", baseline_path, "fused, 16-bit weights"} & set(paths):
             path_bytes[path] = weight_bytes - head + sum(t.untyped_storage().nbytes() for t in greedy_head)
     if c12 is not None and args.batch <= 2:  # the 12-bit copies read in place of those bf16 weights
-        for path in ("fused", "fused, whole head"):
+        for path in {"fused", baseline_path, "fused, whole head"} & set(paths):
             path_bytes[path] += fused.c12_bytes - fused.c12_bf16_bytes
     bandwidth = statistics.median(bandwidths)
     bound = weight_bytes / (bandwidth * 1e9)

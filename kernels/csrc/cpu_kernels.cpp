@@ -3679,7 +3679,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemv", &int4_gemv, release());
   m.def("bf16_silu_mlp", &bf16_silu_mlp, release());
   m.def("bf16_decode_layers", &bf16_decode_layers, release());
-  py::class_<DecodeModel>(m, "DecodeModel")
+  // Local to this module: another revision's build of these kernels, loaded beside this one
+  // for an A/B (loadtest/bench_decode_paths.py and bench_linear.py --baseline-rev), registers
+  // its own DecodeModel (two global registrations of the class would refuse the second import).
+  py::class_<DecodeModel>(m, "DecodeModel", py::module_local())
       .def(py::init<torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
                     std::vector<int64_t>, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, torch::Tensor,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
