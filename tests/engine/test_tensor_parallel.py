@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from torch.distributed import distributed_c10d
 
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
@@ -171,8 +172,11 @@ def test_a_worker_that_stops_answering_fails_the_engine_instead_of_hanging_it(
     try:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
         # Rank 0's (this process's) timeout, short only from here: the first step under the
-        # default one (on a busy machine the worker can take seconds to reach it).
+        # default one (on a busy machine the worker can take seconds to reach it). The model
+        # group's collectives took their deadline when the group was made, so it is shortened
+        # too (torch's own setter, private), or the test waits out the whole default (~2 min).
         monkeypatch.setattr(parallel_state, "MODEL_TIMEOUT", timedelta(seconds=3))
+        distributed_c10d._set_pg_timeout(timedelta(seconds=3))
         os.kill(worker.pid, signal.SIGSTOP)
         with pytest.raises(TensorParallelError, match="out of step .*[Tt]imed out"):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
