@@ -185,9 +185,11 @@ def main() -> None:
 
     def use(path: str) -> None:
         # The kernels every call of this path goes through (`cpu_kernels.load()`'s module);
-        # the held model is made anew on them at the path's first step.
-        cpu_kernels._state["module"] = baseline_kernels if path == baseline_path else own_kernels
-        fused._held = None
+        # where they change, the held model is made anew on them at the path's first step.
+        kernels = baseline_kernels if path == baseline_path else own_kernels
+        if cpu_kernels._state["module"] is not kernels:
+            cpu_kernels._state["module"] = kernels
+            fused._held = None
         model.fused_decode = fused if path.startswith("fused") else None
         fused.argmax_head = None if path == "fused, whole head" else greedy_head
         fused.c12 = None if path == "fused, 16-bit weights" else c12
