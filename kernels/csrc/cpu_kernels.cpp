@@ -33,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <string>
 
 #include <type_traits>
@@ -93,6 +94,53 @@ inline void parallel_ranges(int64_t units, int64_t max_piece, const Body& body) 
   parallel_chunks(n, [&](int64_t c) { body(units * c / n, units * (c + 1) / n); }, threads);
 }
 
+
+// body(lo, hi, claim_next) over [0, units) in the ranges parallel_ranges makes, each run
+// exactly once, claimed dynamically; a range's body may claim the range its thread runs next
+// before it ends (claim_next(): that range's first unit, or -1 when none is left; claimed
+// once, however often it is called), so it can pull that range's first data into cache
+// while it computes its own last part. Each range is started by whoever wins its flag: a
+// thread that finds nothing left to claim takes any range claimed ahead and not yet
+// started (its claimer is still busy, or descheduled), so no range waits on a thread that
+// is not running, and the claimer, finding it taken, claims another.
+template <typename Body>
+inline void parallel_claimed_ahead(int64_t units, int64_t max_piece, const Body& body) {
+  if (units <= 0) return;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(kernel_threads(), units));
+  const int64_t per_thread = (units + threads * std::max<int64_t>(1, max_piece) - 1) / (threads * std::max<int64_t>(1, max_piece));
+  const int64_t n = std::min(units, threads * per_thread);
+  std::unique_ptr<std::atomic<uint8_t>[]> started(new std::atomic<uint8_t>[n]);
+  for (int64_t c = 0; c < n; ++c) started[c].store(0, std::memory_order_relaxed);
+  std::atomic<int64_t> counter{0};
+  auto lo_of = [&](int64_t c) { return units * c / n; };
+  auto take = [&](int64_t c) {
+    uint8_t zero = 0;
+    return started[c].load(std::memory_order_relaxed) == 0 &&
+           started[c].compare_exchange_strong(zero, 1, std::memory_order_acq_rel);
+  };
+  auto worker = [&](int64_t) {
+    int64_t cur = counter.fetch_add(1, std::memory_order_relaxed);
+    for (;;) {
+      if (cur >= n) {  // none left to claim: take any range claimed ahead and not started
+        cur = -1;
+        for (int64_t c = 0; c < n && cur < 0; ++c)
+          if (take(c)) cur = c;
+        if (cur < 0) return;
+      } else if (!take(cur)) {  // taken by another thread meanwhile
+        cur = counter.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      int64_t ahead = -2;  // not claimed yet
+      auto claim_next = [&]() -> int64_t {
+        if (ahead == -2) ahead = counter.fetch_add(1, std::memory_order_relaxed);
+        return ahead < n ? lo_of(ahead) : -1;
+      };
+      body(lo_of(cur), lo_of(cur + 1), claim_next);
+      cur = ahead == -2 ? counter.fetch_add(1, std::memory_order_relaxed) : ahead;
+    }
+  };
+  parallel_chunks(threads, worker, threads);
+}
 
 // float -> bf16 bits, rounding to nearest even (NaN stays a quiet NaN), branch-free so the
 // loops that store rows vectorise (c10::BFloat16's constructor is a scalar call).
@@ -2017,25 +2065,18 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
   // weight came in bursts at up to `tiles` times the average rate (32 rows: 3x, about what
   // the machine's memory gives two cores) and the first tile waited on it. With `prefetch_base` (the
   // packed weight) each tile of group g also pulls its share of group g + 1 into L2
-  // (L2Prefetch), so the weight streams in at an even rate behind the arithmetic; a piece is
-  // then several groups long (its first group is not prefetched). Only where the two groups
-  // and x's rows fit the L2 budget (the 1B-class model's down projection, 352 KB groups
-  // beside 360 KB of x at 32 rows, does not: it lost ~5% to the evictions in a development
-  // run). 2-6% on the 1B-class shapes at 32-64 rows, streaming from memory (docs/BENCHMARKS.md,
+  // (L2Prefetch), so the weight streams in at an even rate behind the arithmetic. Only where
+  // the two groups and x's rows fit the L2 budget (the 1B-class model's down projection, 352
+  // KB groups beside 360 KB of x at 32 rows, does not: it lost 3-5% to the evictions).
+  // 2-6% on the 1B-class shapes at 32-64 rows, streaming from memory (docs/BENCHMARKS.md,
   // "An even weight stream at 12-64 rows"); one tile (up to 11 rows, a weight stream already)
-  // lost 13% to it, so it needs two.
+  // lost 13% to it, so it needs two. A piece's last group prefetches the first group of the
+  // piece its thread runs next, which it claims then (parallel_claimed_ahead): with pieces
+  // claimed only when started, every piece's first group (a quarter of the 1B-class qkv's)
+  // was read at the rate its first tile's misses drew; prefetched, the 32-row linears took
+  // 0.96-0.97x the time and the 1B-class 32-row step 0.965x (docs/BENCHMARKS.md, "The next
+  // piece's first group").
   const bool prefetch = prefetch_base && M > tile_rows && M <= kPassRows && 2 * group_bytes + x_bytes <= kL2Budget;
-  // Rows [m, m + mb)'s tile of group g: its share of group g + 1, in proportion to its rows
-  // (none for a piece's last group, or without `prefetch`).
-  auto share_of_next = [&](int64_t g, int64_t g_hi, int64_t m, int64_t mb) {
-    L2Prefetch pf;
-    if (prefetch && g + 1 < g_hi) {
-      const char* next = prefetch_base + (g + 1) * group_bytes;
-      pf.next = next + group_bytes * m / M / 64 * 64;
-      pf.end = next + group_bytes * (m + mb) / M / 64 * 64;
-    }
-    return pf;
-  };
   auto run = [&](int64_t g_lo, int64_t g_hi) {
     if (M <= 4) {
       for (int64_t g = g_lo; g < g_hi; ++g) {
@@ -2053,20 +2094,36 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
       for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
         const int64_t m1 = std::min(M, m0 + kPassRows);
         for (int64_t g = c0; g < c1; ++g)
-          for (int64_t m = m0; m < m1; m += tile_rows) {
-            const int64_t mb = std::min(tile_rows, m1 - m);
-            one(g, m, mb, share_of_next(g, g_hi, m, mb));
-          }
+          for (int64_t m = m0; m < m1; m += tile_rows) one(g, m, std::min(tile_rows, m1 - m), L2Prefetch{});
       }
     }
   };
+  if (prefetch) {
+    // Pieces several groups long, but still at least 4 a thread, or a short call's last
+    // piece leaves a thread idle. M <= kPassRows: one pass, group by group.
+    const int64_t piece = std::max<int64_t>(chunk, std::min(kPrefetchPieceBytes / group_bytes,
+                                                           groups / (4 * kernel_threads())));
+    parallel_claimed_ahead(groups, piece, [&](int64_t g_lo, int64_t g_hi, const auto& claim_next) {
+      for (int64_t g = g_lo; g < g_hi; ++g) {
+        // Group g's tiles pull in the next group: g + 1, or past the piece's end the first
+        // group of the piece claimed now (none: -1, every piece is claimed or running).
+        const int64_t next = g + 1 < g_hi ? g + 1 : claim_next();
+        for (int64_t m = 0; m < M; m += tile_rows) {
+          const int64_t mb = std::min(tile_rows, M - m);
+          L2Prefetch pf;  // rows [m, m + mb)'s share of the next group, in proportion to its rows
+          if (next >= 0) {
+            const char* base = prefetch_base + next * group_bytes;
+            pf.next = base + group_bytes * m / M / 64 * 64;
+            pf.end = base + group_bytes * (m + mb) / M / 64 * 64;
+          }
+          one(g, m, mb, pf);
+        }
+      }
+    });
+    return;
+  }
   if (M > 4) {
-    // Prefetching: longer pieces (a piece's first group is not prefetched), but still at
-    // least 4 a thread, or a short call's last piece leaves a thread idle.
-    const int64_t piece = prefetch ? std::max<int64_t>(chunk, std::min(kPrefetchPieceBytes / group_bytes,
-                                                                       groups / (4 * kernel_threads())))
-                                   : chunk;
-    parallel_ranges(groups, piece, run);
+    parallel_ranges(groups, chunk, run);
     return;
   }
   // Few rows: ranges of whole pairs of groups (two at a time), at least 4 ranges a thread.
