@@ -4,7 +4,8 @@ replaced and against its own one-pass loop (decodes), and the routes of prefill 
 query rows) against the few-row loop and torch's flash kernel that took such chunks before,
 for prompts without cached tokens and for a chunk after cached tokens. The "invariant"
 column is the `--batch-invariant` bf16 route (`attention_invariant`: every chunk, batch- and
-chunk-invariant); the others are the default routes.
+chunk-invariant); the others are the default routes. The last table times decodes with the KV
+caches on 4 KB pages against the engine's huge-page caches (engine/kv_cache.py).
 
     python -m loadtest.bench_cpu_attention     # from the repository root (it reuses the tests' paged batches)
     python -m loadtest.bench_cpu_attention --quick   # fewer, smaller shapes (the smoke test)
@@ -151,7 +152,50 @@ def main(argv: list[str] | None = None) -> int:
         inv = _best(lambda: _invariant(b, out), time.perf_counter, 3, 1)
         print(f"| {q_len} x {ctx} | {_fmt(inv, flops)} ({inv / blocked:.2f}x) | {_fmt(blocked, flops)} | "
               f"{_fmt(flash, flops)} ({flash / blocked:.2f}x) |")
+
+    _pages_table(args)
     return 0
+
+
+def _pages_table(args) -> None:
+    """Decodes of the 1B-class model's heads (32 query / 8 KV x 64) on the default route, their
+    caches on 4 KB pages (torch.zeros) and on huge pages (engine/kv_cache.py
+    `zeros_on_huge_pages`, the engine's CPU cache), each layer its own cache, the two in
+    turns: blocks packed at the cache's start, and spread over a 4096-block cache (the
+    1B-class model's default 2 GiB) as a long-running server's free list leaves them."""
+    from engine.kv_cache import huge_pages_advisable, transparent_huge_pages, zeros_on_huge_pages
+
+    layers = 4 if args.quick else 16
+    print(f"\nDecodes of 32 query / 8 KV heads, {layers} layers, {torch.get_num_threads()} threads, wall time "
+          f"per layer, the caches on 4 KB pages against huge pages (transparent huge pages: "
+          f"`{transparent_huge_pages()}`):\n")
+    if not huge_pages_advisable():
+        print("(no huge pages to ask for here: both columns are 4 KB pages)\n")
+    print("| batch x context | blocks | 4 KB pages | huge pages | huge / 4 KB |")
+    print("|---|---|---:|---:|---:|")
+    shapes = [(8, 64, 512)] if args.quick else [(32, 64, 0), (32, 64, 4096), (32, 512, 4096)]
+    for bs, ctx, cache_blocks in shapes:
+        seqs = [(ctx + i % 8, 1) for i in range(bs)]
+        small = [make_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=64, block_size=16, dtype=torch.bfloat16,
+                            block_order="sequential" if not cache_blocks else "shuffled", seed=i,
+                            num_blocks=cache_blocks or None) for i in range(layers)]
+        huge = [dataclasses.replace(b, key_cache=_on_huge_pages(b.key_cache, zeros_on_huge_pages),
+                                    value_cache=_on_huge_pages(b.value_cache, zeros_on_huge_pages)) for b in small]
+        out = torch.empty_like(small[0].query)
+        times = {"4k": [], "huge": []}
+        for turn in range(2 * args.repeats):
+            for name in ("4k", "huge") if turn % 2 == 0 else ("huge", "4k"):
+                batches = small if name == "4k" else huge
+                times[name].append(_best(lambda: [_invariant(b, out) for b in batches], time.perf_counter, 1, 3)
+                                   / layers)
+        four_k, on_huge = min(times["4k"]), min(times["huge"])
+        where = f"spread over {cache_blocks}" if cache_blocks else "packed"
+        print(f"| {bs} x {ctx} tokens | {where} | {four_k * 1e6:.0f} us | {on_huge * 1e6:.0f} us | "
+              f"{on_huge / four_k:.2f}x |")
+
+
+def _on_huge_pages(t: torch.Tensor, zeros_on_huge_pages) -> torch.Tensor:
+    return zeros_on_huge_pages(tuple(t.shape), t.dtype).copy_(t)
 
 
 def _fmt(seconds: float, flops: float) -> str:

@@ -10,3 +10,4 @@ def test_bench_cpu_attention_prints_its_tables(capsys):
     for row in ("| 8 x 190 tokens |", "| 8 x 100 tokens |", "| 2 x 64 tokens |", "| 40 x 1200 |"):
         assert row in out
     assert "GFLOP/s" in out
+    assert "| 8 x 64 tokens | spread over 512 |" in out and "| huge / 4 KB |" in out
