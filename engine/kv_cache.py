@@ -4,12 +4,11 @@ one-byte codes with each row's bf16 scale after them (kernels/kv_quant.py)."""
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass
 
 import torch
 
+from engine.huge_pages import huge_pages_wanted, zeros_on_huge_pages
 from engine.models.llama import ModelArgs
 from kernels import kv_quant
 
@@ -73,66 +72,19 @@ def kv_cache_budget_bytes(kv_cache_memory_gib: float | None, device: torch.devic
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the zeroed K and V tensors; on CPU on transparent huge pages where the host
-    gives them (`zeros_on_huge_pages`)."""
+    """Per layer, the zeroed K and V tensors; on CPU on 2 MB transparent huge pages where the
+    kernel gives them (engine/huge_pages.py): the block manager hands blocks out in the order
+    they were freed, so after a while a batch's blocks lie all over the cache, and on 4 KB
+    pages nearly every key row the attention kernel reads is a TLB miss (the 1B-class model's
+    default 2 GiB cache is 524,288 such pages). 32 decode rows of that model attending over
+    blocks spread across the cache took 0.89x the time on huge pages, 0.93x at 512 keys a
+    sequence, 1.00x with the blocks packed together (docs/BENCHMARKS.md, "The KV cache on
+    huge pages")."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
-    if device.type == "cpu" and huge_pages_advisable():
+    if device.type == "cpu" and huge_pages_wanted():
         return [(zeros_on_huge_pages(shape, spec.dtype), zeros_on_huge_pages(shape, spec.dtype))
                 for _ in range(spec.num_layers)]
     return [
         (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
         for _ in range(spec.num_layers)
     ]
-
-
-# A CPU KV cache on 2 MB transparent huge pages. A decode step reads each sequence's blocks
-# of every layer's K and V, blocks the block manager hands out in the order they were freed,
-# so after a while a batch's blocks lie all over the cache: on 4 KB pages nearly every key
-# row the attention kernel reads is a TLB miss (the 1B-class model's default 2 GiB cache is
-# 524,288 such pages). 32 decode rows of that model attending over blocks spread across the
-# cache took 0.85x the time on huge pages, 0.92x at 512 keys a sequence, 0.97x with the
-# blocks packed together (docs/BENCHMARKS.md, "The KV cache on huge pages").
-HUGE_PAGE_BYTES = 2 << 20
-_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def transparent_huge_pages() -> str | None:
-    """The kernel's transparent huge page mode (`always`, `madvise`, `never`), None where unknown."""
-    try:
-        text = open(_THP_SETTING).read()
-    except OSError:
-        return None
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
-
-
-def huge_pages_advisable() -> bool:
-    """Whether advising a mapping for huge pages can give it any: the mode is `always` or
-    `madvise` and Python's mmap has MADV_HUGEPAGE."""
-    return transparent_huge_pages() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE")
-
-
-def cpu_pages_fact() -> str:
-    """The start-up log's word on a CPU KV cache's pages: huge ones, or why not (a slower path)."""
-    mode = transparent_huge_pages()
-    if huge_pages_advisable():
-        return f"on 2 MB transparent huge pages where the kernel has them (mode `{mode}`)"
-    return (f"on 4 KB pages (transparent huge pages {'off: mode `never`' if mode == 'never' else 'unavailable'}; "
-            f"attention over blocks spread across the cache is up to ~15% slower)")
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in an anonymous mapping of its own, started on a 2 MB boundary and
-    advised for transparent huge pages (MADV_HUGEPAGE; the kernel's `madvise` mode, common
-    in distributions, gives none to memory that does not ask). Every page is written once
-    here, as torch.zeros writes its tensor, so no first touch (a 2 MB zeroing) falls inside
-    a step. The tensor keeps the mapping alive; where the kernel has no huge page to give,
-    the pages are ordinary ones, as torch.zeros' would be."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes + HUGE_PAGE_BYTES - offset)
-    tensor = raw[offset:offset + nbytes].view(dtype).view(shape)
-    tensor.zero_()
-    return tensor

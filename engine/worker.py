@@ -17,7 +17,8 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
-from engine.kv_cache import KVCacheSpec, allocate_kv_cache, cpu_pages_fact, kv_cache_budget_bytes
+from engine.huge_pages import pages_fact
+from engine.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_budget_bytes
 from engine.loader import load_hf_config, load_model
 from engine.memory import profile_kv_cache_budget, take_snapshot
 from engine.host_memory import available_host_memory
@@ -193,7 +194,7 @@ class Worker:
                 f"{spec.bytes_per_token} bytes/token ({spec.arithmetic()}), {self.num_blocks} blocks x "
                 f"{cc.block_size} tokens = {self.num_blocks * cc.block_size} tokens "
                 f"({self.num_blocks * spec.bytes_per_block / 2**30:.2f} GiB)" + self._kv_quant_fact()
-                + (f", {cpu_pages_fact()}" if self.device.type == "cpu" else "")
+                + (f", {pages_fact()}" if self.device.type == "cpu" else "")
             ),
             "max_model_len": str(self.max_model_len),
         }

@@ -159,11 +159,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _pages_table(args) -> None:
     """Decodes of the 1B-class model's heads (32 query / 8 KV x 64) on the default route, their
-    caches on 4 KB pages (torch.zeros) and on huge pages (engine/kv_cache.py
-    `zeros_on_huge_pages`, the engine's CPU cache), each layer its own cache, the two in
+    caches on 4 KB pages (torch.zeros) and on huge pages (engine/huge_pages.py,
+    as the engine's CPU cache is), each layer its own cache, the two in
     turns: blocks packed at the cache's start, and spread over a 4096-block cache (the
     1B-class model's default 2 GiB) as a long-running server's free list leaves them."""
-    from engine.kv_cache import huge_pages_advisable, transparent_huge_pages, zeros_on_huge_pages
+    from engine.huge_pages import copy_on_huge_pages, huge_pages_advisable, transparent_huge_pages
 
     layers = 4 if args.quick else 16
     print(f"\nDecodes of 32 query / 8 KV heads, {layers} layers, {torch.get_num_threads()} threads, wall time "
@@ -179,8 +179,8 @@ def _pages_table(args) -> None:
         small = [make_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=64, block_size=16, dtype=torch.bfloat16,
                             block_order="sequential" if not cache_blocks else "shuffled", seed=i,
                             num_blocks=cache_blocks or None) for i in range(layers)]
-        huge = [dataclasses.replace(b, key_cache=_on_huge_pages(b.key_cache, zeros_on_huge_pages),
-                                    value_cache=_on_huge_pages(b.value_cache, zeros_on_huge_pages)) for b in small]
+        huge = [dataclasses.replace(b, key_cache=copy_on_huge_pages(b.key_cache),
+                                    value_cache=copy_on_huge_pages(b.value_cache)) for b in small]
         out = torch.empty_like(small[0].query)
         times = {"4k": [], "huge": []}
         for turn in range(2 * args.repeats):
@@ -192,10 +192,6 @@ def _pages_table(args) -> None:
         where = f"spread over {cache_blocks}" if cache_blocks else "packed"
         print(f"| {bs} x {ctx} tokens | {where} | {four_k * 1e6:.0f} us | {on_huge * 1e6:.0f} us | "
               f"{on_huge / four_k:.2f}x |")
-
-
-def _on_huge_pages(t: torch.Tensor, zeros_on_huge_pages) -> torch.Tensor:
-    return zeros_on_huge_pages(tuple(t.shape), t.dtype).copy_(t)
 
 
 def _fmt(seconds: float, flops: float) -> str:

@@ -13,6 +13,7 @@ alternating in one process, against the read-bandwidth bound measured between ro
     python -m loadtest.bench_decode_paths --phases               # and where the fused step's time goes
     python -m loadtest.bench_decode_paths --batch 32 --baseline-rev HEAD~1
                                            # also the fused call on HEAD~1's C++ kernels
+    python -m loadtest.bench_decode_paths --batch 32 --pages   # also its weights on 4 KB pages
 
 The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
 - fused: every decoder layer of the step in one C++ call (the engine's route), with the
@@ -26,6 +27,9 @@ The paths (engine/models/llama.py `FusedDecodeLayers`, kernels/quant_linear.py):
   revision REV, built beside this tree's (`bench_linear.revision_kernels`): a kernel change
   timed against what it replaced, in one process, the paths alternating. REV's kernels must
   take this tree's call and packed layouts (2d8a700, the held `DecodeModel`, or later);
+- fused, weights on 4 KB pages (`--pages`): the same call on copies of the packed weights,
+  12-bit copies and the greedy head's copy in ordinary memory, where the engine put them on
+  2 MB transparent huge pages (engine/huge_pages.py; the KV cache stays where it is);
 - per-op: the model's Python forward, one kernel call per op (`PAGODA_CPU_FUSED_DECODE=0`);
 - per-op, torch int8 (`--int8-gemv`): also W8A16 through torch's `_weight_int8pack_mm`
   instead of Pagoda's int8 kernel (each `Int8Linear`'s packed copy set aside);
@@ -65,10 +69,17 @@ import time
 
 import torch
 
+from engine.huge_pages import huge_pages_wanted, pages_fact
 from loadtest.bench_engine_gpu import decode_weight_bytes
 from loadtest.bench_offline import measure_read_bandwidth_gbs
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _on_small_pages(t: torch.Tensor) -> torch.Tensor:
+    """`t` over a clone of its whole storage in torch's own (4 KB-page) memory."""
+    storage = t.untyped_storage().clone()
+    return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
 def step_seconds(llm, sampling_params, batch: int = 1) -> float:
@@ -145,6 +156,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch", type=int, default=1, help="rows per step: this many prompts at once")
     parser.add_argument("--phases", action="store_true", help="also the fused step's time by phase")
+    parser.add_argument("--pages", action="store_true",
+                        help="also the fused call with the weights on 4 KB pages (where the engine's are on huge pages)")
     parser.add_argument("--baseline-rev", default=None,
                         help="also the fused call on this git revision's C++ kernels, built beside this tree's")
     args = parser.parse_args()
@@ -183,6 +196,18 @@ def main() -> None:
 
         baseline_kernels = revision_kernels(args.baseline_rev)
 
+    pages_path = "fused, weights on 4 KB pages" if args.pages and huge_pages_wanted() else None
+    if args.pages and pages_path is None:
+        print(f"--pages: the engine's weights are not on huge pages here ({pages_fact()})", file=sys.stderr)
+    on_huge = (fused.tensors, fused.embedding, fused.lm_head, greedy_head, c12)
+    on_small = None
+    if pages_path:  # the same bytes in ordinary memory, each tensor's storage cloned
+        small = _on_small_pages
+        on_small = ([small(t) for t in fused.tensors], small(fused.embedding),
+                    None if fused.lm_head is None else small(fused.lm_head),
+                    None if greedy_head is None else [small(t) for t in greedy_head],
+                    None if c12 is None else [small(t) for t in c12])
+
     def use(path: str) -> None:
         # The kernels every call of this path goes through (`cpu_kernels.load()`'s module);
         # where they change, the held model is made anew on them at the path's first step.
@@ -190,13 +215,17 @@ def main() -> None:
         if cpu_kernels._state["module"] is not kernels:
             cpu_kernels._state["module"] = kernels
             fused._held = None
+        tensors = on_small if path == pages_path else on_huge
+        if fused.tensors is not tensors[0]:  # the weights' pages change: the held model anew too
+            fused.tensors, fused.embedding, fused.lm_head = tensors[:3]
+            fused._held = None
         model.fused_decode = fused if path.startswith("fused") else None
-        fused.argmax_head = None if path == "fused, whole head" else greedy_head
-        fused.c12 = None if path == "fused, 16-bit weights" else c12
+        fused.argmax_head = None if path == "fused, whole head" else tensors[3]
+        fused.c12 = None if path == "fused, 16-bit weights" else tensors[4]
         for linear, packed in int8_linears.items():
             linear.kernel_weight = None if path == "per-op, torch int8" else packed
 
-    paths = (["fused"] + ([baseline_path] if baseline_path else [])
+    paths = (["fused"] + ([baseline_path] if baseline_path else []) + ([pages_path] if pages_path else [])
              + (["fused, whole head"] if greedy_head is not None and args.batch <= 4 else [])
              + (["fused, 16-bit weights"] if c12 is not None and args.batch <= 2 else []) + ["per-op"]
              + (["per-op, torch int8"] if args.int8_gemv else [])
@@ -231,10 +260,10 @@ def main() -> None:
     path_bytes = {p: weight_bytes for p in paths}
     if greedy_head is not None and args.batch <= 4:  # the int8 copy read in place of the bf16 head (the route's rows)
         head = fused.lm_head.untyped_storage().nbytes()
-        for path in {"fused", baseline_path, "fused, 16-bit weights"} & set(paths):
+        for path in {"fused", baseline_path, pages_path, "fused, 16-bit weights"} & set(paths):
             path_bytes[path] = weight_bytes - head + sum(t.untyped_storage().nbytes() for t in greedy_head)
     if c12 is not None and args.batch <= 2:  # the 12-bit copies read in place of those bf16 weights
-        for path in {"fused", baseline_path, "fused, whole head"} & set(paths):
+        for path in {"fused", baseline_path, pages_path, "fused, whole head"} & set(paths):
             path_bytes[path] += fused.c12_bytes - fused.c12_bf16_bytes
     bandwidth = statistics.median(bandwidths)
     bound = weight_bytes / (bandwidth * 1e9)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.huge_pages import huge_pages_wanted
 from kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,16 +56,22 @@ def test_bench_decode_paths_times_a_step_of_several_rows_and_a_revisions_kernels
     """`--batch 3`: the same paths on steps of three rows, without the batch-1 read bound;
     `--baseline-rev HEAD`: the fused call also on the C++ kernels of a git revision, built
     beside this tree's (in a clean checkout HEAD's are this tree's: the cached build is
-    reused), as its own path in the same alternation."""
+    reused), as its own path in the same alternation; `--pages`: also the weights on 4 KB
+    pages, where the engine put them on huge pages."""
     out = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench_decode_paths", "--rounds", "1", "--batch", "3", "--baseline-rev", "HEAD"],
+        [sys.executable, "-m", "loadtest.bench_decode_paths", "--rounds", "1", "--batch", "3", "--baseline-rev", "HEAD",
+         "--pages"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
     ).stdout
     assert "3-row decode step, bfloat16" in out, out
+    pages = huge_pages_wanted()
     rows = [line for line in out.splitlines()
-            if line.startswith(("| fused |", "| fused, HEAD's kernels |", "| fused, whole head |", "| per-op |"))]
-    assert len(rows) == 4 and "| 1.00x |" in rows[0], out
+            if line.startswith(("| fused |", "| fused, HEAD's kernels |", "| fused, weights on 4 KB pages |",
+                                "| fused, whole head |", "| per-op |"))]
+    assert len(rows) == 4 + pages and "| 1.00x |" in rows[0], out
     assert rows[1].startswith("| fused, HEAD's kernels |") and float(rows[1].split("|")[2].split()[0]) > 0, out
+    if pages:
+        assert rows[2].startswith("| fused, weights on 4 KB pages |") and float(rows[2].split("|")[2].split()[0]) > 0, out
     assert "16-bit weights" not in out, out  # three rows read the bf16 weights: no such path
     assert "read bound" not in out and ", bound " not in out, out
 
