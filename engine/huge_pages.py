@@ -11,9 +11,11 @@ Who uses it and what it gains (docs/BENCHMARKS.md):
 - the CPU KV cache (engine/kv_cache.py): a batch's blocks lie all over the cache, and on 4
   KB pages nearly every key row the attention reads is a TLB miss ("The KV cache on huge
   pages");
-- the C++ kernels' packed weights (engine/models/llama.py `prepack`): at 12-64 rows a
-  linear streams its weight at ~7 GB/s a core, and on 4 KB pages the hardware prefetchers
-  stop at every page's end ("The packed weights on huge pages").
+- the C++ kernels' packed weights, the 12-bit copies and the greedy head's int8 copy
+  (engine/models/llama.py `prepack_linears`, `FusedDecodeLayers`; the INT4 packs in
+  engine/quantization/linears.py): at 12-64 rows a linear streams its weight at ~7 GB/s a
+  core, and on 4 KB pages the hardware prefetchers stop at every page's end ("The packed
+  weights on huge pages").
 """
 
 from __future__ import annotations
