@@ -95,3 +95,9 @@ def copy_on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     raw = _mapped_bytes(storage.nbytes())
     raw.copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))
     return torch.empty(0, dtype=t.dtype).set_(raw.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def onto_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """`t` moved onto huge pages where the engine wants them (`huge_pages_wanted`), else `t`:
+    how the engine places each packed kernel weight and copy at start-up."""
+    return copy_on_huge_pages(t) if huge_pages_wanted() else t

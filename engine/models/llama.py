@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.huge_pages import onto_huge_pages
 from engine.models.args import ModelArgs, rope_inv_freq
 from kernels import cpu_kernels
 from kernels.cpu_kernels import bf16_linear, bf16_silu_mlp, pack_bf16_weight, pack_int8_weight
@@ -117,15 +118,6 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-def _on_huge_pages(packed: torch.Tensor) -> torch.Tensor:
-    """A packed kernel weight moved onto 2 MB transparent huge pages where the engine wants
-    them (engine/huge_pages.py: at 12-64 rows a linear streams its weight at ~7 GB/s a core,
-    and on 4 KB pages the hardware prefetchers stop at every page's end)."""
-    from engine.huge_pages import copy_on_huge_pages, huge_pages_wanted
-
-    return copy_on_huge_pages(packed) if huge_pages_wanted() else packed
-
-
 def prepack_linears(model: nn.Module) -> tuple[int, int]:
     """Give every float `Linear` of a model whose weights will no longer change (the
     serving runtime, not calibration, sharding or quantization, which read the dense
@@ -169,7 +161,7 @@ def prepack_linears(model: nn.Module) -> tuple[int, int]:
             if kernel is None:
                 kernel = gemv_enabled()
             if kernel:
-                module.kernel_weight = _on_huge_pages(pack_int8_weight(module.qweight))
+                module.kernel_weight = onto_huge_pages(pack_int8_weight(module.qweight))
             continue
         if not isinstance(module, Linear) or module.weight is None:
             continue
@@ -177,7 +169,7 @@ def prepack_linears(model: nn.Module) -> tuple[int, int]:
         if takes and kernel is None:
             kernel = gemv_enabled()
         if takes and kernel:
-            module.kernel_weight = _on_huge_pages(pack_bf16_weight(module.weight))
+            module.kernel_weight = onto_huge_pages(pack_bf16_weight(module.weight))
         else:
             module.packed = pack_weight(module.weight)
             if module.packed is None:
@@ -386,7 +378,7 @@ class FusedDecodeLayers:
             from kernels.greedy_head import greedy_head_copy
 
             self.argmax_head = greedy_head_copy(self.lm_head)
-            self.argmax_head[0] = _on_huge_pages(self.argmax_head[0])  # the int8 copy: a weight stream too
+            self.argmax_head[0] = onto_huge_pages(self.argmax_head[0])  # the int8 copy: a weight stream too
         # Each bias-free bf16 linear's lossless 12-bit copy, which steps of 1-2 rows read
         # instead (the same bits from 3/4 of the bytes: a one-stream decode streams the
         # weights, so it is that much shorter), held beside the bf16 copy the larger steps
@@ -419,7 +411,7 @@ class FusedDecodeLayers:
                 for linear, flag in zip(linears, flags):
                     if flag:
                         copy = cpu_kernels.pack_c12_weight(cpu_kernels.unpack_bf16_weight(linear.kernel_weight))
-                        copy[0] = _on_huge_pages(copy[0])  # the packed bytes; exceptions and offsets are small
+                        copy[0] = onto_huge_pages(copy[0])  # the packed bytes; exceptions and offsets are small
                         self.c12 += copy
                         self.c12_bytes += sum(t.numel() * t.element_size() for t in copy)
                         self.c12_bf16_bytes += 2 * linear.kernel_weight.numel()

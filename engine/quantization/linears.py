@@ -94,9 +94,9 @@ def cpu_int4_tensors(
     32-256; OpenMP's fork-join team, and not batch-invariant)."""
     if gemv_enabled() and group_size % 16 == 0 and q.shape[1] % group_size == 0:
         kernel_weight = cpu_kernels.pack_int4_weight(q.to(torch.uint8), int4_scale_offset(scales, zeros), group_size)
-        from engine.huge_pages import copy_on_huge_pages, huge_pages_wanted
+        from engine.huge_pages import onto_huge_pages
 
-        return {"kernel_weight": copy_on_huge_pages(kernel_weight) if huge_pages_wanted() else kernel_weight}
+        return {"kernel_weight": onto_huge_pages(kernel_weight)}
     if cpu_int4_mm_available() and group_size in CPU_INT4_GROUP_SIZES:
         packed, scales_and_zeros = pack_int4_cpu(q, scales, zeros, group_size)
         return {"qweight": packed, "scales_and_zeros": scales_and_zeros}

@@ -72,6 +72,13 @@ inline void parallel_chunks(int64_t n, const Body& body, int64_t threads = kerne
       const_cast<void*>(static_cast<const void*>(&body)));
 }
 
+// How many near-equal contiguous ranges parallel_ranges cuts [0, units) into: ranges of at
+// most about `max_piece` units, as many as a multiple of the threads.
+inline int64_t range_count(int64_t units, int64_t max_piece, int64_t threads) {
+  const int64_t per_thread = (units + threads * std::max<int64_t>(1, max_piece) - 1) / (threads * std::max<int64_t>(1, max_piece));
+  return std::min(units, threads * per_thread);
+}
+
 // body(lo, hi) over [0, units) in contiguous ranges of at most about `max_piece` units,
 // claimed dynamically; as many ranges as a multiple of the threads, of near-equal size, so
 // that on a quiet machine every thread does the same share (9 pieces on 2 threads would
@@ -89,8 +96,7 @@ inline void parallel_ranges(int64_t units, int64_t max_piece, const Body& body) 
     }
     return;
   }
-  const int64_t per_thread = (units + threads * std::max<int64_t>(1, max_piece) - 1) / (threads * std::max<int64_t>(1, max_piece));
-  const int64_t n = std::min(units, threads * per_thread);
+  const int64_t n = range_count(units, max_piece, threads);
   parallel_chunks(n, [&](int64_t c) { body(units * c / n, units * (c + 1) / n); }, threads);
 }
 
@@ -107,8 +113,11 @@ template <typename Body>
 inline void parallel_claimed_ahead(int64_t units, int64_t max_piece, const Body& body) {
   if (units <= 0) return;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(kernel_threads(), units));
-  const int64_t per_thread = (units + threads * std::max<int64_t>(1, max_piece) - 1) / (threads * std::max<int64_t>(1, max_piece));
-  const int64_t n = std::min(units, threads * per_thread);
+  if (g_openmp_loops.load(std::memory_order_relaxed)) {  // as parallel_ranges: a range per thread, nothing ahead
+    parallel_ranges(units, max_piece, [&](int64_t lo, int64_t hi) { body(lo, hi, [] { return int64_t{-1}; }); });
+    return;
+  }
+  const int64_t n = range_count(units, max_piece, threads);
   std::unique_ptr<std::atomic<uint8_t>[]> started(new std::atomic<uint8_t>[n]);
   for (int64_t c = 0; c < n; ++c) started[c].store(0, std::memory_order_relaxed);
   std::atomic<int64_t> counter{0};
