@@ -9,6 +9,7 @@ caches on 4 KB pages against the engine's huge-page caches (engine/kv_cache.py).
 
     python -m loadtest.bench_cpu_attention     # from the repository root (it reuses the tests' paged batches)
     python -m loadtest.bench_cpu_attention --quick   # fewer, smaller shapes (the smoke test)
+    python -m loadtest.bench_cpu_attention --baseline-rev main   # only: this tree's decodes vs main's
 
 Shapes are SmolLM2-135M's (9 query / 3 KV heads x 64), bf16, blocks of 16 scattered over
 the cache. Single-thread decodes report CPU time (robust to other load); the rest run
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -87,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small shapes and 4 layers: a smoke test")
+    ap.add_argument("--baseline-rev", default=None,
+                    help="only the table of this tree's decodes against git revision REV's kernels")
     args = ap.parse_args(argv)
+    if args.baseline_rev:
+        _baseline_table(args)
+        return 0
     if cpu_kernels.load() is None:
         raise SystemExit(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}")
     if not cpu_kernels.bf16_gemv_available():
@@ -192,6 +199,44 @@ def _pages_table(args) -> None:
         where = f"spread over {cache_blocks}" if cache_blocks else "packed"
         print(f"| {bs} x {ctx} tokens | {where} | {four_k * 1e6:.0f} us | {on_huge * 1e6:.0f} us | "
               f"{on_huge / four_k:.2f}x |")
+
+
+def _baseline_table(args) -> None:
+    """Decodes on the default route with the 1B-class model's heads (32 query / 8 KV x 64),
+    32 sequences, each layer its own cache on huge pages (as the engine's), blocks spread
+    over the cache: this tree's kernels against `--baseline-rev`'s (loadtest/bench_linear.py
+    revision_kernels), calls alternating in this one process, and whether their outputs are
+    the same bits."""
+    from engine.huge_pages import copy_on_huge_pages
+    from loadtest.bench_linear import revision_kernels
+
+    layers = 4 if args.quick else 16
+    mods = {"this tree": cpu_kernels.load(), args.baseline_rev: revision_kernels(args.baseline_rev)}
+    print(f"Decodes of 32 query / 8 KV heads, {layers} layers, {torch.get_num_threads()} threads, the caches on "
+          f"huge pages: wall time of the {layers} layers, median of {2 * args.repeats} alternating turns each\n")
+    print(f"| batch x context | this tree | {args.baseline_rev} | this / {args.baseline_rev} | same bits |")
+    print("|---|---:|---:|---:|---|")
+    for bs, ctx in [(4, 64)] if args.quick else [(32, 64), (32, 512)]:
+        seqs = [(ctx + i % 8, 1) for i in range(bs)]
+        batches = [make_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=64, block_size=16, dtype=torch.bfloat16,
+                              block_order="shuffled", seed=i) for i in range(layers)]
+        batches = [dataclasses.replace(b, key_cache=copy_on_huge_pages(b.key_cache),
+                                       value_cache=copy_on_huge_pages(b.value_cache)) for b in batches]
+        outs = {name: [torch.empty_like(b.query) for b in batches] for name in mods}
+
+        def run(name: str) -> None:
+            for b, out in zip(batches, outs[name]):
+                mods[name].paged_attention(out, *b.args(), b.scale, 0, cpu_kernels.INVARIANT_Q_CHUNK, 0,
+                                           cpu_kernels.FEW_ROWS, 0, cpu_kernels.KEY_PART)
+
+        times = {name: [] for name in mods}
+        for turn in range(2 * args.repeats):
+            for name in list(mods) if turn % 2 == 0 else list(mods)[::-1]:
+                times[name].append(_best(lambda: run(name), time.perf_counter, 1, 3))
+        same = all(torch.equal(a, b) for a, b in zip(*outs.values()))
+        this, base = (statistics.median(times[name]) for name in mods)
+        print(f"| {bs} x {ctx} tokens | {this * 1e3:.2f} ms | {base * 1e3:.2f} ms | {this / base:.3f}x | "
+              f"{'yes' if same else 'NO'} |")
 
 
 def _fmt(seconds: float, flops: float) -> str:

@@ -502,9 +502,13 @@ inline void prefetch_key_rows(const uint16_t* kb, const int32_t* table, int64_t 
 // The scores of 16 keys (rows kp[0..16)) for query rows [0, rows) (q_row(r): row r's bf16
 // query): per key an HD/32-long vdpbf16ps chain on the query and key as stored (exact
 // products, float32 sums), the 16 keys' lanes summed together (sum16), times the scale;
-// row r's into s[r * stride, + 16).
+// row r's into s[r * stride, + 16). Not inlined: inside attend_part_pairs_bf16, whose other
+// phases keep many vectors live, GCC 12 sent every key vector through a stack slot (a store
+// and a reload before each vdpbf16ps); on its own its 16 chains stay in registers, and the
+// 32-sequence decode's attention took 0.92x the time (loadtest/bench_cpu_attention.py
+// --baseline-rev).
 template <int64_t HD, typename QRow>
-inline void score_16_keys(const QRow& q_row, int64_t rows, const uint16_t* const* kp, float* s, int64_t stride,
+__attribute__((noinline)) void score_16_keys(const QRow& q_row, int64_t rows, const uint16_t* const* kp, float* s, int64_t stride,
                           __m512 vscale) {
   constexpr int64_t NQ = HD / 32;
   for (int64_t r = 0; r < rows; ++r) {
@@ -1019,6 +1023,7 @@ struct PartScratch {
   std::vector<uint16_t> weights; // [rows][stride]: e rounded to bf16 (an int8 cache: e x the value's scale)
   std::vector<uint32_t> keys;    // [HD/2][16]: one group of keys, transposed
   std::vector<uint32_t> values;  // [HD/16][pairs][16]
+  std::vector<const uint16_t*> value_rows;  // a decode's: each key's value row, nullptr past the part's last
   std::vector<float> value_scales;  // an int8 cache: [stride], each key's value scale
   std::vector<uint16_t> value_scale_bits;  // the same as bf16 bits, as read
 };
@@ -1155,6 +1160,46 @@ inline void pair_values(const uint32_t* const* w, const uint32_t* vt, int64_t pa
   for (int r = 0; r < RT; ++r) done(r0 + r, acc[r]);
 }
 
+// pair_values for a decode's few rows, from the cache rows themselves: pair j's vector for
+// dims [16c, 16c + 16) is (v[2j][d], v[2j + 1][d]) per lane, the layout the interleaved copy
+// holds, built in registers (one vpermt2w per 16 dims from the two rows' 32) instead of
+// written to the part's scratch and read back; `vrows[k]`: key k's value row, nullptr past
+// the part's last key (zeros, as the copy has). The same chains on the same vectors: the
+// same bits. RT * HD / 16 accumulators must fit beside the pair vectors (RT * HD <= 256).
+template <int64_t HD, int RT, typename Done>
+inline void pair_values_from_rows(const uint32_t* const* w, const uint16_t* const* vrows, int64_t pairs, int64_t r0,
+                                  const Done& done) {
+  constexpr int64_t NV = HD / 16;
+  static_assert(RT * NV <= 16, "pair_values_from_rows: at most 16 accumulators");
+  // Words 2i, 2i + 1 of the pair vector: dim i of the first row (a), of the second (b);
+  // `low` takes dims 0-15 of a 32-dim slice, `high` dims 16-31 (vpermt2w: b's words at 32 +).
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  __m512 acc[RT][NV];
+  for (int r = 0; r < RT; ++r)
+    for (int64_t c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh wp[RT];
+    for (int r = 0; r < RT; ++r) wp[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r][j]));
+    const uint16_t* v0 = vrows[2 * j];
+    const uint16_t* v1 = vrows[2 * j + 1];
+    for (int64_t c = 0; c < NV; c += 2) {
+      const __m512i a = v0 ? _mm512_loadu_si512(v0 + 16 * c) : _mm512_setzero_si512();
+      const __m512i b = v1 ? _mm512_loadu_si512(v1 + 16 * c) : _mm512_setzero_si512();
+      const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
+      const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
+      for (int r = 0; r < RT; ++r) {
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wp[r], lo);
+        acc[r][c + 1] = _mm512_dpbf16_ps(acc[r][c + 1], wp[r], hi);
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r) done(r0 + r, acc[r]);
+}
+
 // An int8 cache (Q8): the scores are integer dot products, as llama.cpp scores its q8_0
 // cache: the item's query rows quantized to int8 once per part (per row, absmax / 127:
 // quantize_query_rows), each key's codes against them with vpdpbusd (AVX512-VNNI: 64 code
@@ -1178,7 +1223,14 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
   scratch.scores.resize(rows * stride);
   scratch.weights.resize(rows * stride);
   scratch.keys.resize(NP * 16);
-  scratch.values.resize(NV * pairs * 16);
+  // A decode's few rows (no int8 cache) weigh the value rows where they lie
+  // (pair_values_from_rows); others, an interleaved copy of the part's values.
+  const bool values_in_place = !Q8 && rows <= 4 && rows * NV <= 16;
+  if (values_in_place) {
+    scratch.value_rows.resize(stride);
+  } else {
+    scratch.values.resize(NV * pairs * 16);
+  }
   float* s = scratch.scores.data();
   const int64_t row_stride = Hkv * kUnits, head_offset = kvh * kUnits;
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q);
@@ -1193,9 +1245,11 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
   const uint16_t* kp[16];  // slots past the part's last key repeat it (their scores are never used)
   uint32_t* kt = scratch.keys.data();
   for (int64_t gi = 0; gi < groups; ++gi) {
-    cursor.take(kp, 16);
+    const int64_t got = cursor.take(kp, 16);
     for (int64_t t = 0; t < 16; ++t)
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(vb + (kp[t] - kb) + 32 * c), _MM_HINT_T1);
+    if (values_in_place)
+      for (int64_t t = 0; t < 16; ++t) scratch.value_rows[gi * 16 + t] = t < got ? vb + (kp[t] - kb) : nullptr;
     if constexpr (Q8) {  // integer dots of the int8 query rows and the key codes (see above)
       alignas(32) uint16_t key_scale_bits[16];
       for (int64_t t = 0; t < 16; ++t) key_scale_bits[t] = kp[t][HD / 2];
@@ -1234,7 +1288,7 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
   }
   // V interleaved by key pairs (a pair past the part's last key: zeros); an int8 cache's
   // codes widened to bf16, each key's scale kept for its weight.
-  {
+  if (!values_in_place) {
     KeyCursor cursor(vb, table, BS, row_stride, head_offset, key_lo, n);
     uint32_t* vt = scratch.values.data();
     float* value_scales = Q8 ? scratch.value_scales.data() : nullptr;
@@ -1329,6 +1383,20 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
     for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(pr + 16 * c, acc[c]);
   };
   const uint32_t* weights = reinterpret_cast<const uint32_t*>(scratch.weights.data());
+  if (values_in_place) {  // rows * NV <= 16: one tile
+    if constexpr (!Q8 && HD <= 256) {
+      const uint32_t* w[4];
+      for (int64_t r = 0; r < rows; ++r) w[r] = weights + r * pairs;
+      const uint16_t* const* vrows = scratch.value_rows.data();
+      switch (rows) {
+        case 1: pair_values_from_rows<HD, 1>(w, vrows, pairs, 0, done); break;
+        case 2: if constexpr (2 * NV <= 16) pair_values_from_rows<HD, 2>(w, vrows, pairs, 0, done); break;
+        case 3: if constexpr (3 * NV <= 16) pair_values_from_rows<HD, 3>(w, vrows, pairs, 0, done); break;
+        default: if constexpr (4 * NV <= 16) pair_values_from_rows<HD, 4>(w, vrows, pairs, 0, done); break;
+      }
+    }
+    return;
+  }
   int64_t r0 = 0;
   for (; r0 + kRows <= rows; r0 += kRows) {
     const uint32_t* w[kRows];
