@@ -28,7 +28,10 @@ steps of 1-2 rows read the bf16 weights, not their lossless 12-bit copies) and `
 for each `--noise` condition in turn: the neighbour is started (none; a busy loop at nice 0;
 at nice 19), and measured with it are
 
-- `c=1`: `--itl-requests` requests one after another, the median of their TPOTs (ITL);
+- `c=1`: `--itl-requests` requests one after another, the median of their TPOTs (ITL),
+  with the memory read pace measured just before and just after them (a batch-1 step
+  streams its weights, and this VM's pace drifts up to 2x within minutes, so two servers
+  measured minutes apart can meet different paces: the ratio is also given at equal pace);
 - `c=32`: 32 concurrent requests, output tokens / wall time;
 
 every request `--output-len` (64) greedy tokens with `ignore_eos` on a `--input-len`-token
@@ -279,11 +282,36 @@ def noise_workloads(spec: DatasetSpec, itl_requests: int, streams: int, source: 
             for i, noise in enumerate(NOISE)}
 
 
+def read_pace_gbs() -> float:
+    """This moment's memory read pace (bench_offline's read stream, run here in the client
+    with the server idle): a batch-1 step streams its weights, so its ITL follows this pace,
+    which drifts up to 2x within minutes on this project's VM."""
+    from loadtest.bench_offline import measure_read_bandwidth_gbs
+
+    return round(measure_read_bandwidth_gbs(), 1)
+
+
 def measure(url: str, model: str | None, one, many, streams: int, cap_s: float) -> dict:
+    """c=1 then c=`streams`, with the read pace measured just before and just after the c=1
+    requests (`c1_read_gbs`): two servers' c=1 figures come minutes apart, so the report
+    gives their ratio as measured and at equal pace (pace_adjusted_ratio)."""
+    before = read_pace_gbs()
     c1 = asyncio.run(capped_workload(url, model, one, 1, cap_s))
+    after = read_pace_gbs()
     cn = asyncio.run(capped_workload(url, model, many, streams, cap_s))
     return {"c1_itl_ms": c1["median_itl_ms"], f"c{streams}_tok_s": cn["tok_s"], "c1": c1, f"c{streams}": cn,
-            "capped": c1["capped"] or cn["capped"]}
+            "c1_read_gbs": [before, after], "capped": c1["capped"] or cn["capped"]}
+
+
+def pace_adjusted_ratio(a: dict, b: dict) -> str:
+    """a's c=1 ITL / b's as if both had run at the same read pace: (ITL_a x pace_a) /
+    (ITL_b x pace_b), each pace the mean of the two around its c=1 requests. It holds where
+    both steps are bound by their weight stream (batch 1 on this VM: both servers run at
+    90-95% of the read pace; docs/BENCHMARKS.md); "n/a" without both figures."""
+    if not (a.get("c1_itl_ms") and b.get("c1_itl_ms") and a.get("c1_read_gbs") and b.get("c1_read_gbs")):
+        return "n/a"
+    pa, pb = statistics.mean(a["c1_read_gbs"]), statistics.mean(b["c1_read_gbs"])
+    return f"{a['c1_itl_ms'] * pa / (b['c1_itl_ms'] * pb):.2f}x"
 
 
 def run_server(spec: ServerSpec, ns: argparse.Namespace, workloads: dict[str, tuple], warm, log_dir: Path,
@@ -302,7 +330,8 @@ def run_server(spec: ServerSpec, ns: argparse.Namespace, workloads: dict[str, tu
         for noise in noises:
             with Neighbour(NOISE[noise]):
                 out[noise] = measure(server.url, spec.model, *workloads[noise], ns.streams, ns.cap)
-            print(f"[noise]   {noise}: c=1 ITL {out[noise]['c1_itl_ms']} ms, "
+            print(f"[noise]   {noise}: c=1 ITL {out[noise]['c1_itl_ms']} ms "
+                  f"(read pace {' / '.join(map(str, out[noise]['c1_read_gbs']))} GB/s before / after), "
                   f"c={ns.streams} {out[noise][f'c{ns.streams}_tok_s']} tok/s"
                   f"{' (capped)' if out[noise]['capped'] else ''}", file=sys.stderr, flush=True)
         facts = [line.strip() for line in server.log_tail(200_000).splitlines() if "cpu_threads:" in line]
@@ -453,19 +482,21 @@ def main(argv: list[str] | None = None) -> int:
         per_model = results[model_name]
         for r, got in enumerate(per_model["rounds"]):
             print(f"\n{model_name}, round {r + 1}:")
-            print(f"| server | noise | c=1 ITL ms | vs quiet | c={n} tok/s | vs quiet |")
-            print("|---|---|---|---|---|---|")
+            print(f"| server | noise | c=1 ITL ms | vs quiet | read GB/s around c=1 | c={n} tok/s | vs quiet |")
+            print("|---|---|---|---|---|---|---|")
             for name, by_noise in got.items():
                 quiet = by_noise.get("none", {})
                 for noise in ns.noise:
                     m = by_noise[noise]
                     mark = " (capped)" if m["capped"] else ""
                     print(f"| {name} | {noise} | {m['c1_itl_ms']} | {ratio(m['c1_itl_ms'], quiet.get('c1_itl_ms'))} "
+                          f"| {' / '.join(map(str, m.get('c1_read_gbs', [])))} "
                           f"| {m[f'c{n}_tok_s']}{mark} | {ratio(m[f'c{n}_tok_s'], quiet.get(f'c{n}_tok_s'))} |")
             if "pagoda" in got and len(got) > 1:
                 for other in (s for s in got if s != "pagoda"):
                     print(f"pagoda / {other}: " + "; ".join(
-                        f"{noise}: c=1 ITL {ratio(got['pagoda'][noise]['c1_itl_ms'], got[other][noise]['c1_itl_ms'])}, "
+                        f"{noise}: c=1 ITL {ratio(got['pagoda'][noise]['c1_itl_ms'], got[other][noise]['c1_itl_ms'])} "
+                        f"(at equal read pace {pace_adjusted_ratio(got['pagoda'][noise], got[other][noise])}), "
                         f"c={n} {ratio(got['pagoda'][noise][f'c{n}_tok_s'], got[other][noise][f'c{n}_tok_s'])}"
                         for noise in ns.noise))
         if per_model.get("flop_bound") and per_model["rounds"]:

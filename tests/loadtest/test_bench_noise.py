@@ -35,6 +35,9 @@ def test_bench_noise_quick_reports_quiet_and_noisy_figures(tiny_model_path, tmp_
         # Every stream ran to its end (not capped); a random model's byte tokens may hold
         # text back, so chunks with text can be fewer than the 4 x 8 tokens.
         assert 0 < m["c4"]["output_tokens"] <= 4 * 8, m
+        # The read pace around the c=1 requests, before and after.
+        assert len(m["c1_read_gbs"]) == 2 and min(m["c1_read_gbs"]) > 0, m
+    assert "read GB/s around c=1" in out.stdout, out.stdout
     assert _busy_loops() <= before  # the neighbour was stopped
     # The c=4 workload's FLOP bound at the GEMM peak measured before and after the servers.
     bound = result["bundled"]["flop_bound"]
@@ -71,3 +74,14 @@ def test_each_noise_condition_gets_prompts_of_its_own_and_every_server_the_same(
     assert len(set(map(str, seen))) == len(seen)  # no prompt in two conditions (or twice in one)
     again = noise_workloads(spec, 3, 8, source)
     assert {noise: [r.prompt for r in one + many] for noise, (one, many) in again.items()} == prompts
+
+
+def test_the_pace_adjusted_ratio_takes_each_itl_at_the_pace_it_met():
+    """Pagoda at 40 ms while the memory read 30 GB/s, the peer at 45 ms at 50 GB/s: as
+    measured 0.89x; at equal pace (40 x 30) / (45 x 50) = 0.53x. Without a pace: n/a."""
+    from loadtest.bench_noise import pace_adjusted_ratio
+
+    pagoda = {"c1_itl_ms": 40.0, "c1_read_gbs": [29.0, 31.0]}
+    peer = {"c1_itl_ms": 45.0, "c1_read_gbs": [50.0, 50.0]}
+    assert pace_adjusted_ratio(pagoda, peer) == "0.53x"
+    assert pace_adjusted_ratio(pagoda, {"c1_itl_ms": 45.0}) == "n/a"
