@@ -75,13 +75,3 @@ def test_each_noise_condition_gets_prompts_of_its_own_and_every_server_the_same(
     again = noise_workloads(spec, 3, 8, source)
     assert {noise: [r.prompt for r in one + many] for noise, (one, many) in again.items()} == prompts
 
-
-def test_the_pace_adjusted_ratio_takes_each_itl_at_the_pace_it_met():
-    """Pagoda at 40 ms while the memory read 30 GB/s, the peer at 45 ms at 50 GB/s: as
-    measured 0.89x; at equal pace (40 x 30) / (45 x 50) = 0.53x. Without a pace: n/a."""
-    from loadtest.bench_noise import pace_adjusted_ratio
-
-    pagoda = {"c1_itl_ms": 40.0, "c1_read_gbs": [29.0, 31.0]}
-    peer = {"c1_itl_ms": 45.0, "c1_read_gbs": [50.0, 50.0]}
-    assert pace_adjusted_ratio(pagoda, peer) == "0.53x"
-    assert pace_adjusted_ratio(pagoda, {"c1_itl_ms": 45.0}) == "n/a"
