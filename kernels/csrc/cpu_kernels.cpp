@@ -1238,7 +1238,23 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
     scratch.value_scales.resize(stride);
     scratch.value_scale_bits.resize(stride);
   }
-  prefetch_key_rows(kb, table, BS, row_stride, head_offset, key_lo, n, kLines);
+  // The keys are prefetched into L2 kAheadKeys ahead of the group being scored, 16 more
+  // with each group, beside that group's values: an even stream behind the arithmetic. The
+  // part's keys used to be prefetched all at once when it started (up to 256 lines). A
+  // prefetch waits for a free miss buffer, so that burst stalled the core, and the first
+  // groups' keys came no sooner. Paced, the 32-sequence decode's attention took 0.66-0.68x
+  // the time (loadtest/bench_cpu_attention.py --baseline-rev). 16 keys ahead: 0.67-0.73x,
+  // 64: 0.74-0.78x; prefetching into L1 instead: 1.03x (development A/B, 2026-12-07).
+  constexpr int64_t kAheadKeys = 32;
+  KeyCursor ahead(kb, table, BS, row_stride, head_offset, key_lo);
+  int64_t ahead_left = n;
+  auto prefetch_ahead = [&](int64_t count) {
+    for (count = std::min(count, ahead_left); count > 0; --count) {
+      for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead.row() + 32 * c), _MM_HINT_T1);
+      if (--ahead_left > 0) ahead.next();
+    }
+  };
+  prefetch_ahead(kAheadKeys);
   const __m512 vscale = _mm512_set1_ps(scale);
   auto q_row = [&](int64_t r) { return qb + item_row(q_start, i0, r, g, H, kvh) * HD; };
   KeyCursor cursor(kb, table, BS, row_stride, head_offset, key_lo, n);
@@ -1246,6 +1262,7 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
   uint32_t* kt = scratch.keys.data();
   for (int64_t gi = 0; gi < groups; ++gi) {
     const int64_t got = cursor.take(kp, 16);
+    prefetch_ahead(16);
     for (int64_t t = 0; t < 16; ++t)
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(vb + (kp[t] - kb) + 32 * c), _MM_HINT_T1);
     if (values_in_place)
