@@ -202,11 +202,11 @@ def _pages_table(args) -> None:
 
 
 def _baseline_table(args) -> None:
-    """Decodes on the default route with the 1B-class model's heads (32 query / 8 KV x 64),
-    32 sequences, each layer its own cache on huge pages (as the engine's), blocks spread
-    over the cache: this tree's kernels against `--baseline-rev`'s (loadtest/bench_linear.py
-    revision_kernels), calls alternating in this one process, and whether their outputs are
-    the same bits."""
+    """Decodes with the 1B-class model's heads (32 query / 8 KV x 64), 32 sequences, each
+    layer its own cache on huge pages (as the engine's), blocks spread over the cache, on the
+    default route (`attention_invariant`) and on `--no-batch-invariant`'s few-row loop: this
+    tree's kernels against `--baseline-rev`'s (loadtest/bench_linear.py revision_kernels),
+    calls alternating in this one process, and whether their outputs are the same bits."""
     from engine.huge_pages import copy_on_huge_pages
     from loadtest.bench_linear import revision_kernels
 
@@ -214,29 +214,34 @@ def _baseline_table(args) -> None:
     mods = {"this tree": cpu_kernels.load(), args.baseline_rev: revision_kernels(args.baseline_rev)}
     print(f"Decodes of 32 query / 8 KV heads, {layers} layers, {torch.get_num_threads()} threads, the caches on "
           f"huge pages: wall time of the {layers} layers, median of {2 * args.repeats} alternating turns each\n")
-    print(f"| batch x context | this tree | {args.baseline_rev} | this / {args.baseline_rev} | same bits |")
-    print("|---|---:|---:|---:|---|")
+    print(f"| batch x context | route | this tree | {args.baseline_rev} | this / {args.baseline_rev} | same bits |")
+    print("|---|---|---:|---:|---:|---|")
     for bs, ctx in [(4, 64)] if args.quick else [(32, 64), (32, 512)]:
         seqs = [(ctx + i % 8, 1) for i in range(bs)]
         batches = [make_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=64, block_size=16, dtype=torch.bfloat16,
                               block_order="shuffled", seed=i) for i in range(layers)]
         batches = [dataclasses.replace(b, key_cache=copy_on_huge_pages(b.key_cache),
                                        value_cache=copy_on_huge_pages(b.value_cache)) for b in batches]
-        outs = {name: [torch.empty_like(b.query) for b in batches] for name in mods}
+        few_chunk = cpu_kernels.few_rows_q_chunk(batches[0].query, 8) or cpu_kernels.Q_CHUNK
+        routes = {  # paged_attention's routing arguments after the scale
+            "default (invariant)": (0, cpu_kernels.INVARIANT_Q_CHUNK, 0, cpu_kernels.FEW_ROWS, 0, cpu_kernels.KEY_PART),
+            "--no-batch-invariant few-row loop": (0, few_chunk, 0, cpu_kernels.FEW_ROWS, 0, 0),
+        }
+        for route, routing in routes.items():
+            outs = {name: [torch.empty_like(b.query) for b in batches] for name in mods}
 
-        def run(name: str) -> None:
-            for b, out in zip(batches, outs[name]):
-                mods[name].paged_attention(out, *b.args(), b.scale, 0, cpu_kernels.INVARIANT_Q_CHUNK, 0,
-                                           cpu_kernels.FEW_ROWS, 0, cpu_kernels.KEY_PART)
+            def run(name: str) -> None:
+                for b, out in zip(batches, outs[name]):
+                    mods[name].paged_attention(out, *b.args(), b.scale, *routing)
 
-        times = {name: [] for name in mods}
-        for turn in range(2 * args.repeats):
-            for name in list(mods) if turn % 2 == 0 else list(mods)[::-1]:
-                times[name].append(_best(lambda: run(name), time.perf_counter, 1, 3))
-        same = all(torch.equal(a, b) for a, b in zip(*outs.values()))
-        this, base = (statistics.median(times[name]) for name in mods)
-        print(f"| {bs} x {ctx} tokens | {this * 1e3:.2f} ms | {base * 1e3:.2f} ms | {this / base:.3f}x | "
-              f"{'yes' if same else 'NO'} |")
+            times = {name: [] for name in mods}
+            for turn in range(2 * args.repeats):
+                for name in list(mods) if turn % 2 == 0 else list(mods)[::-1]:
+                    times[name].append(_best(lambda: run(name), time.perf_counter, 1, 3))
+            same = all(torch.equal(a, b) for a, b in zip(*outs.values()))
+            this, base = (statistics.median(times[name]) for name in mods)
+            print(f"| {bs} x {ctx} tokens | {route} | {this * 1e3:.2f} ms | {base * 1e3:.2f} ms | {this / base:.3f}x | "
+                  f"{'yes' if same else 'NO'} |")
 
 
 def _fmt(seconds: float, flops: float) -> str:

@@ -469,7 +469,7 @@ struct KeyCursor {
 };
 
 constexpr int64_t kFewRows = 8;         // items of up to this many query rows take attend_rows_bf16
-constexpr int64_t kPrefetchKeys = 1024;  // key rows prefetched into L2 when an item starts (128-512 KB)
+constexpr int64_t kPrefetchAheadKeys = 32;  // key rows in flight ahead of the 16 being scored (KeyPrefetch)
 
 // The keys a few-row item (query tokens [i0, i1) of a chunk of q_len new tokens at the end
 // of ctx) attends: positions [lo, lo + n), its window's start to its newest token.
@@ -486,18 +486,29 @@ inline int64_t item_row(int64_t q_start, int64_t i0, int64_t r, int64_t g, int64
   return (q_start + i0 + r / g) * H + kvh * g + r % g;
 }
 
-// The key rows of one KV head for keys [k0, k0 + count) into L2, all at once: the rows lie
-// scattered over the cache in blocks, between the other heads' rows, and the hardware
-// prefetcher does not follow them.
-inline void prefetch_key_rows(const uint16_t* kb, const int32_t* table, int64_t BS, int64_t row_stride,
-                              int64_t head_offset, int64_t k0, int64_t count, int64_t lines) {
-  if (count <= 0) return;
-  KeyCursor all(kb, table, BS, row_stride, head_offset, k0);
-  for (int64_t k = 0; k < count; ++k) {
-    for (int64_t c = 0; c < lines; ++c) _mm_prefetch(reinterpret_cast<const char*>(all.row() + 32 * c), _MM_HINT_T1);
-    if (k + 1 < count) all.next();
+// The key rows of one KV head for keys [k0, k0 + n) pulled into L2 ahead of their use:
+// `ahead(count)` prefetches the next `count` of them. The rows lie scattered over the cache in
+// blocks, between the other heads' rows, and the hardware prefetcher does not follow them.
+// They used to be prefetched all at once when an item or part started (up to 1024 rows), but
+// a software prefetch waits for a free miss buffer, so that burst stalled the core and the
+// first rows came no sooner. Kept kPrefetchAheadKeys ahead of the group being scored, 16
+// more with each group, they stream in behind the arithmetic. The 32-sequence decode's
+// attention then took 0.60-0.74x the time on the default route (loadtest/bench_cpu_attention.py
+// --baseline-rev) and 0.68-0.72x on the few-row loop (development A/B); 16 rows ahead
+// 0.67-0.73x, 64 ahead 0.74-0.78x, into L1 instead 1.03x (2026-12-07).
+struct KeyPrefetch {
+  KeyCursor cursor;
+  int64_t left, lines;
+  KeyPrefetch(const uint16_t* kb, const int32_t* table, int64_t BS, int64_t row_stride, int64_t head_offset, int64_t k0,
+              int64_t n, int64_t lines_)
+      : cursor(kb, table, BS, row_stride, head_offset, n > 0 ? k0 : 0), left(n), lines(lines_) {}
+  void ahead(int64_t count) {
+    for (count = std::min(count, left); count > 0; --count) {
+      for (int64_t c = 0; c < lines; ++c) _mm_prefetch(reinterpret_cast<const char*>(cursor.row() + 32 * c), _MM_HINT_T1);
+      if (--left > 0) cursor.next();  // the next block's table entry only while a key follows
+    }
   }
-}
+};
 
 // The scores of 16 keys (rows kp[0..16)) for query rows [0, rows) (q_row(r): row r's bf16
 // query): per key an HD/32-long vdpbf16ps chain on the query and key as stored (exact
@@ -601,19 +612,22 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
   // The keys are scattered over the cache in blocks of BS tokens, each row a short stretch
   // (HD bf16) between the other heads' rows: the hardware prefetcher does not follow that
   // (measured: attention at a third of the copy bandwidth, bound by the misses). So the
-  // item's first kPrefetchKeys key rows are all prefetched into L2 up front (many misses
-  // in flight at once), the next 16 keys' rows into L1 while these are scored, these
-  // keys' value rows into L2 for pass 2, and in pass 2 the next value row into L1. Same
-  // run, 30 layers' caches (DRAM-resident), 2 threads: 1.7-1.8x the speed without.
+  // key rows stream into L2 kPrefetchAheadKeys ahead of the next group (KeyPrefetch), the
+  // next 16 keys' rows into L1 while these are scored, these keys' value rows into L2 for
+  // pass 2, and in pass 2 the next value row into L1. Same run, 30 layers' caches
+  // (DRAM-resident), 2 threads: 1.7-1.8x the speed without (with the item's keys then
+  // prefetched all at once; paced, 0.68-0.72x that time).
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(kc);
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(vc);
   constexpr int64_t kLines = HD * 2 / 64;  // cache lines per row
-  prefetch_key_rows(kb, table, BS, row_stride, kvh * HD, lo, std::min<int64_t>(n, kPrefetchKeys), kLines);
+  KeyPrefetch prefetch(kb, table, BS, row_stride, kvh * HD, lo, n, kLines);
+  prefetch.ahead(16 + kPrefetchAheadKeys);  // the loop reads the next group's rows as it scores one
   KeyCursor keys(kb, table, BS, row_stride, kvh * HD, lo, n);
   const uint16_t* kp[16];  // padding: scores past n are never read
   const uint16_t* kn[16];
   int64_t nk = keys.take(kp, 16);
   for (int64_t k0 = 0; k0 < n; k0 += 16) {
+    prefetch.ahead(16);
     const int64_t nn = keys.take(kn, 16);
     for (int64_t t = 0; t < nn; ++t)
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(kn[t] + 32 * c), _MM_HINT_T0);
@@ -1238,23 +1252,8 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
     scratch.value_scales.resize(stride);
     scratch.value_scale_bits.resize(stride);
   }
-  // The keys are prefetched into L2 kAheadKeys ahead of the group being scored, 16 more
-  // with each group, beside that group's values: an even stream behind the arithmetic. The
-  // part's keys used to be prefetched all at once when it started (up to 256 lines). A
-  // prefetch waits for a free miss buffer, so that burst stalled the core, and the first
-  // groups' keys came no sooner. Paced, the 32-sequence decode's attention took 0.66-0.68x
-  // the time (loadtest/bench_cpu_attention.py --baseline-rev). 16 keys ahead: 0.67-0.73x,
-  // 64: 0.74-0.78x; prefetching into L1 instead: 1.03x (development A/B, 2026-12-07).
-  constexpr int64_t kAheadKeys = 32;
-  KeyCursor ahead(kb, table, BS, row_stride, head_offset, key_lo);
-  int64_t ahead_left = n;
-  auto prefetch_ahead = [&](int64_t count) {
-    for (count = std::min(count, ahead_left); count > 0; --count) {
-      for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead.row() + 32 * c), _MM_HINT_T1);
-      if (--ahead_left > 0) ahead.next();
-    }
-  };
-  prefetch_ahead(kAheadKeys);
+  KeyPrefetch prefetch(kb, table, BS, row_stride, head_offset, key_lo, n, kLines);  // see there
+  prefetch.ahead(kPrefetchAheadKeys);
   const __m512 vscale = _mm512_set1_ps(scale);
   auto q_row = [&](int64_t r) { return qb + item_row(q_start, i0, r, g, H, kvh) * HD; };
   KeyCursor cursor(kb, table, BS, row_stride, head_offset, key_lo, n);
@@ -1262,7 +1261,7 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
   uint32_t* kt = scratch.keys.data();
   for (int64_t gi = 0; gi < groups; ++gi) {
     const int64_t got = cursor.take(kp, 16);
-    prefetch_ahead(16);
+    prefetch.ahead(16);
     for (int64_t t = 0; t < 16; ++t)
       for (int64_t c = 0; c < kLines; ++c) _mm_prefetch(reinterpret_cast<const char*>(vb + (kp[t] - kb) + 32 * c), _MM_HINT_T1);
     if (values_in_place)
