@@ -1400,7 +1400,7 @@ void attend_part_pairs_bf16(const c10::BFloat16* q, const uint16_t* kb, const ui
   };
   const uint32_t* weights = reinterpret_cast<const uint32_t*>(scratch.weights.data());
   if (values_in_place) {  // rows * NV <= 16: one tile
-    if constexpr (!Q8 && HD <= 256) {
+    if constexpr (!Q8) {
       const uint32_t* w[4];
       for (int64_t r = 0; r < rows; ++r) w[r] = weights + r * pairs;
       const uint16_t* const* vrows = scratch.value_rows.data();
