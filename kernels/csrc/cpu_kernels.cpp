@@ -101,14 +101,19 @@ inline void parallel_ranges(int64_t units, int64_t max_piece, const Body& body) 
 }
 
 
-// body(lo, hi, claim_next) over [0, units) in the ranges parallel_ranges makes, each run
+// body(lo, hi, claim_next) over [0, units) in the ranges parallel_ranges makes, except that
+// the last `threads` x (a range's units) units are ranges of one unit each, each run
 // exactly once, claimed dynamically; a range's body may claim the range its thread runs next
 // before it ends (claim_next(): that range's first unit, or -1 when none is left; claimed
 // once, however often it is called), so it can pull that range's first data into cache
 // while it computes its own last part. Each range is started by whoever wins its flag: a
 // thread that finds nothing left to claim takes any range claimed ahead and not yet
 // started (its claimer is still busy, or descheduled), so no range waits on a thread that
-// is not running, and the claimer, finding it taken, claims another.
+// is not running, and the claimer, finding it taken, claims another. The one-unit ranges at
+// the end: the threads' whole ranges end up to a range apart (one thread's memory was slower,
+// or it started later), and with whole ranges to the end the first to finish waited for the
+// other's last one (the 1B-class 32-row qkv and o_proj calls: 4-6% of the threads' time idle,
+// ~1 ms a step); single units fill that gap.
 template <typename Body>
 inline void parallel_claimed_ahead(int64_t units, int64_t max_piece, const Body& body) {
   if (units <= 0) return;
@@ -117,11 +122,15 @@ inline void parallel_claimed_ahead(int64_t units, int64_t max_piece, const Body&
     parallel_ranges(units, max_piece, [&](int64_t lo, int64_t hi) { body(lo, hi, [] { return int64_t{-1}; }); });
     return;
   }
-  const int64_t n = range_count(units, max_piece, threads);
+  const int64_t whole = range_count(units, max_piece, threads);  // parallel_ranges' ranges
+  const int64_t range_units = units / whole;  // a whole range's units (or one fewer)
+  // The last tail units one by one (none where the ranges are single units, or too few to split).
+  const int64_t tail = range_units > 1 && whole > 2 * threads ? threads * range_units : 0;
+  const int64_t head_units = units - tail, head_n = tail ? whole - threads : whole, n = head_n + tail;
   std::unique_ptr<std::atomic<uint8_t>[]> started(new std::atomic<uint8_t>[n]);
   for (int64_t c = 0; c < n; ++c) started[c].store(0, std::memory_order_relaxed);
   std::atomic<int64_t> counter{0};
-  auto lo_of = [&](int64_t c) { return units * c / n; };
+  auto lo_of = [&](int64_t c) { return c <= head_n ? head_units * c / head_n : head_units + (c - head_n); };
   auto take = [&](int64_t c) {
     uint8_t zero = 0;
     return started[c].load(std::memory_order_relaxed) == 0 &&
@@ -2051,17 +2060,31 @@ struct L2Prefetch {
   const char* end = nullptr;
 };
 
+// A tile's share of K when a group is too large to stay in L2 beside its next one: input
+// pairs [kp0, kp1) only, its float32 sums carried between the shares in `carry` (MR x 2G
+// vectors, row stride 32 floats: each of the tile's rows' 32 outputs), zeros before the
+// first share, rounded and stored after the last. Each output's chain still runs over K's
+// pairs in order, and a float32 value stored and reloaded is the same value, so the result
+// has the bits of one pass over K. The default: all of K in one pass, nothing carried.
+struct KShare {
+  int64_t kp0 = 0;
+  int64_t kp1 = -1;  // -1: to K's end
+  float* carry = nullptr;
+  bool first = true, last = true;
+};
+
 // x rows [0, MR) (row stride ldx >= K) against G adjacent groups starting at `pg`, outputs from n0.
 template <int MR, int G, typename T>
 inline void linear_tile(const uint16_t* __restrict x, int64_t ldx, const T* __restrict pg,
                         const uint16_t* __restrict bias, const uint16_t* __restrict scale, uint16_t* __restrict y,
-                        int64_t K, int64_t N, int64_t n0, L2Prefetch pf = {}) {
+                        int64_t K, int64_t N, int64_t n0, L2Prefetch pf = {}, KShare share = {}) {
   const int64_t Kp = (K + 1) / 2, full = K / 2, group_stride = Kp * kPairLine;
-  const int64_t pf_per_kp = MR > 4 ? (((pf.end - pf.next) + 63) / 64 + Kp - 1) / Kp : 0;
+  const int64_t kp0 = share.kp0, kp1 = share.kp1 < 0 ? Kp : share.kp1;
+  const int64_t pf_per_kp = MR > 4 ? (((pf.end - pf.next) + 63) / 64 + (kp1 - kp0) - 1) / std::max<int64_t>(1, kp1 - kp0) : 0;
   __m512 acc[MR][2 * G];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < Kp; ++kp) {
+    for (int j = 0; j < 2 * G; ++j) acc[m][j] = share.first ? _mm512_setzero_ps() : _mm512_loadu_ps(share.carry + m * 32 + j * 16);
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
     if constexpr (MR > 4) {  // the next group's share (L2Prefetch)
       for (int64_t i = 0; i < pf_per_kp && pf.next < pf.end; ++i, pf.next += 64) _mm_prefetch(pf.next, _MM_HINT_T1);
     } else {  // a weight stream: keep lines in flight past what the prefetcher does alone
@@ -2084,6 +2107,11 @@ inline void linear_tile(const uint16_t* __restrict x, int64_t ldx, const T* __re
       for (int j = 0; j < 2 * G; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, w[j]);
     }
   }
+  if (!share.last) {
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 2 * G; ++j) _mm512_storeu_ps(share.carry + m * 32 + j * 16, acc[m][j]);
+    return;
+  }
   for (int m = 0; m < MR; ++m)
     for (int g = 0; g < G; ++g) store_group(acc[m][2 * g], acc[m][2 * g + 1], bias, scale, y + m * N, n0 + g * kGroup, N);
 }
@@ -2104,8 +2132,11 @@ inline void with_tile_rows(int64_t mb, const F& f) {
 // x rows [0, mb) (mb in 1..11) against one group.
 template <typename T>
 inline void linear_rows(int64_t mb, const uint16_t* x, int64_t ldx, const T* pg, const uint16_t* bias,
-                        const uint16_t* scale, uint16_t* y, int64_t K, int64_t N, int64_t n0, L2Prefetch pf = {}) {
-  with_tile_rows<11>(mb, [&](auto rows) { linear_tile<decltype(rows)::value, 1>(x, ldx, pg, bias, scale, y, K, N, n0, pf); });
+                        const uint16_t* scale, uint16_t* y, int64_t K, int64_t N, int64_t n0, L2Prefetch pf = {},
+                        KShare share = {}) {
+  with_tile_rows<11>(mb, [&](auto rows) {
+    linear_tile<decltype(rows)::value, 1>(x, ldx, pg, bias, scale, y, K, N, n0, pf, share);
+  });
 }
 
 // x rows [0, mb) (mb in 1..4) against two adjacent groups: four chains per row.
@@ -2150,7 +2181,8 @@ inline const uint16_t* unaliased_rows(const uint16_t* x, int64_t M, int64_t K, i
 // head's shapes). Which tile computes an output never changes its arithmetic.
 template <typename One, typename Two>
 void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t tile_rows, int64_t pair_rows,
-                            const One& one, const Two& two, const char* prefetch_base = nullptr, int64_t x_bytes = 0) {
+                            const One& one, const Two& two, const char* prefetch_base = nullptr, int64_t x_bytes = 0,
+                            int64_t k_pairs = 0) {
   const int64_t groups = (N + kGroup - 1) / kGroup;
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / group_bytes);
   // One pass over each group in two or more tiles (12 to kPassRows rows: a decode step of
@@ -2169,7 +2201,18 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
   // was read at the rate its first tile's misses drew; prefetched, the 32-row linears took
   // 0.96-0.97x the time and the 1B-class 32-row step 0.965x (docs/BENCHMARKS.md, "The next
   // piece's first group").
-  const bool prefetch = prefetch_base && M > tile_rows && M <= kPassRows && 2 * group_bytes + x_bytes <= kL2Budget;
+  // Where two groups and x's rows do not fit (the 1B-class down projection: 352 KB groups
+  // beside 360 KB of x at 32 rows), a caller that gives `k_pairs` (its tiles take a KShare)
+  // has each group computed in `shares` equal parts of K, every tile of the group over the
+  // first part, then over the next, its sums carried between the parts (KShare: the same
+  // bits), and each part's tiles prefetch the next part (of this group or the next): a part
+  // of two groups and of x's rows fits.
+  int64_t shares = 1;
+  if constexpr (std::is_invocable_v<One, int64_t, int64_t, int64_t, L2Prefetch, KShare>) {
+    while (k_pairs >= 64 * (shares + 1) && shares < 8 && (2 * group_bytes + x_bytes) / shares > kL2Budget) ++shares;
+  }
+  const bool prefetch =
+      prefetch_base && M > tile_rows && M <= kPassRows && (2 * group_bytes + x_bytes) / shares <= kL2Budget;
   auto run = [&](int64_t g_lo, int64_t g_hi) {
     if (M <= 4) {
       for (int64_t g = g_lo; g < g_hi; ++g) {
@@ -2196,6 +2239,41 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
     // piece leaves a thread idle. M <= kPassRows: one pass, group by group.
     const int64_t piece = std::max<int64_t>(chunk, std::min(kPrefetchPieceBytes / group_bytes,
                                                            groups / (4 * kernel_threads())));
+    if (shares > 1) {
+      if constexpr (std::is_invocable_v<One, int64_t, int64_t, int64_t, L2Prefetch, KShare>) {
+        const int64_t pair_bytes = group_bytes / k_pairs;
+        parallel_claimed_ahead(groups, piece, [&](int64_t g_lo, int64_t g_hi, const auto& claim_next) {
+          thread_local std::vector<float> carry;  // the group's M x 32 sums between its parts
+          if (static_cast<int64_t>(carry.size()) < M * kGroup) carry.resize(M * kGroup);
+          for (int64_t g = g_lo; g < g_hi; ++g) {
+            const int64_t next = g + 1 < g_hi ? g + 1 : claim_next();
+            for (int64_t part = 0; part < shares; ++part) {
+              const int64_t kp0 = k_pairs * part / shares, kp1 = k_pairs * (part + 1) / shares;
+              // The part after this one: the next of this group, or the first of the next group.
+              const char* lo = nullptr;
+              const char* hi = nullptr;
+              if (part + 1 < shares) {
+                lo = prefetch_base + g * group_bytes + kp1 * pair_bytes;
+                hi = prefetch_base + g * group_bytes + k_pairs * (part + 2) / shares * pair_bytes;
+              } else if (next >= 0) {
+                lo = prefetch_base + next * group_bytes;
+                hi = lo + k_pairs / shares * pair_bytes;
+              }
+              for (int64_t m = 0; m < M; m += tile_rows) {
+                const int64_t mb = std::min(tile_rows, M - m);
+                L2Prefetch pf;  // rows [m, m + mb)'s share of the next part, in proportion to its rows
+                if (lo) {
+                  pf.next = lo + (hi - lo) * m / M / 64 * 64;
+                  pf.end = lo + (hi - lo) * (m + mb) / M / 64 * 64;
+                }
+                one(g, m, mb, pf, KShare{kp0, kp1, carry.data() + m * kGroup, part == 0, part + 1 == shares});
+              }
+            }
+          }
+        });
+        return;
+      }
+    }
     parallel_claimed_ahead(groups, piece, [&](int64_t g_lo, int64_t g_hi, const auto& claim_next) {
       for (int64_t g = g_lo; g < g_hi; ++g) {
         // Group g's tiles pull in the next group: g + 1, or past the piece's end the first
@@ -2235,12 +2313,12 @@ void packed_linear_impl(const uint16_t* x, const T* packed, const uint16_t* bias
   x = unaliased_rows(x, M, K, ldx);
   schedule_packed_linear(
       M, N, group_stride * static_cast<int64_t>(sizeof(T)), kTileRows, 4,
-      [&](int64_t g, int64_t m, int64_t mb, L2Prefetch pf) {
-        linear_rows(mb, x + m * ldx, ldx, packed + g * group_stride, bias, scale, y + m * N, K, N, g * kGroup, pf);
+      [&](int64_t g, int64_t m, int64_t mb, L2Prefetch pf, KShare share = {}) {
+        linear_rows(mb, x + m * ldx, ldx, packed + g * group_stride, bias, scale, y + m * N, K, N, g * kGroup, pf, share);
       },
       [&](int64_t g) {
         linear_rows_two_groups(M, x, ldx, packed + g * group_stride, bias, scale, y, K, N, g * kGroup);
-      }, reinterpret_cast<const char*>(packed), M * ldx * static_cast<int64_t>(sizeof(uint16_t)));
+      }, reinterpret_cast<const char*>(packed), M * ldx * static_cast<int64_t>(sizeof(uint16_t)), (K + 1) / 2);
 }
 
 void bf16_linear_impl(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
