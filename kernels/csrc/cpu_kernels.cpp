@@ -113,7 +113,7 @@ inline void parallel_ranges(int64_t units, int64_t max_piece, const Body& body) 
 // the end: the threads' whole ranges end up to a range apart (one thread's memory was slower,
 // or it started later), and with whole ranges to the end the first to finish waited for the
 // other's last one (the 1B-class 32-row qkv and o_proj calls: 4-6% of the threads' time idle,
-// ~1 ms a step); single units fill that gap.
+// the start and the end together); single units fill that gap.
 template <typename Body>
 inline void parallel_claimed_ahead(int64_t units, int64_t max_piece, const Body& body) {
   if (units <= 0) return;
