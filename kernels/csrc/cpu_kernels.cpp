@@ -2207,12 +2207,14 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
   // first part, then over the next, its sums carried between the parts (KShare: the same
   // bits), and each part's tiles prefetch the next part (of this group or the next): a part
   // of two groups and of x's rows fits.
+  // Only tiles that take a KShare prefetch (packed_linear_impl's; the 12-bit and int4 linears
+  // pass no `prefetch_base`).
+  constexpr bool kShareable = std::is_invocable_v<One, int64_t, int64_t, int64_t, L2Prefetch, KShare>;
   int64_t shares = 1;
-  if constexpr (std::is_invocable_v<One, int64_t, int64_t, int64_t, L2Prefetch, KShare>) {
-    while (k_pairs >= 64 * (shares + 1) && shares < 8 && (2 * group_bytes + x_bytes) / shares > kL2Budget) ++shares;
-  }
-  const bool prefetch =
-      prefetch_base && M > tile_rows && M <= kPassRows && (2 * group_bytes + x_bytes) / shares <= kL2Budget;
+  while (kShareable && k_pairs >= 64 * (shares + 1) && shares < 8 && (2 * group_bytes + x_bytes) / shares > kL2Budget)
+    ++shares;
+  const bool prefetch = kShareable && prefetch_base && k_pairs > 0 && M > tile_rows && M <= kPassRows &&
+                        (2 * group_bytes + x_bytes) / shares <= kL2Budget;
   auto run = [&](int64_t g_lo, int64_t g_hi) {
     if (M <= 4) {
       for (int64_t g = g_lo; g < g_hi; ++g) {
@@ -2239,58 +2241,42 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
     // piece leaves a thread idle. M <= kPassRows: one pass, group by group.
     const int64_t piece = std::max<int64_t>(chunk, std::min(kPrefetchPieceBytes / group_bytes,
                                                            groups / (4 * kernel_threads())));
-    if (shares > 1) {
-      if constexpr (std::is_invocable_v<One, int64_t, int64_t, int64_t, L2Prefetch, KShare>) {
-        const int64_t pair_bytes = group_bytes / k_pairs;
-        parallel_claimed_ahead(groups, piece, [&](int64_t g_lo, int64_t g_hi, const auto& claim_next) {
-          thread_local std::vector<float> carry;  // the group's M x 32 sums between its parts
-          if (static_cast<int64_t>(carry.size()) < M * kGroup) carry.resize(M * kGroup);
-          for (int64_t g = g_lo; g < g_hi; ++g) {
-            const int64_t next = g + 1 < g_hi ? g + 1 : claim_next();
-            for (int64_t part = 0; part < shares; ++part) {
-              const int64_t kp0 = k_pairs * part / shares, kp1 = k_pairs * (part + 1) / shares;
-              // The part after this one: the next of this group, or the first of the next group.
-              const char* lo = nullptr;
-              const char* hi = nullptr;
-              if (part + 1 < shares) {
-                lo = prefetch_base + g * group_bytes + kp1 * pair_bytes;
-                hi = prefetch_base + g * group_bytes + k_pairs * (part + 2) / shares * pair_bytes;
-              } else if (next >= 0) {
-                lo = prefetch_base + next * group_bytes;
-                hi = lo + k_pairs / shares * pair_bytes;
+    if constexpr (kShareable) {
+      const int64_t pair_bytes = group_bytes / k_pairs;
+      auto part_end = [&](int64_t part) { return k_pairs * (part + 1) / shares; };  // parts' input pairs
+      parallel_claimed_ahead(groups, piece, [&](int64_t g_lo, int64_t g_hi, const auto& claim_next) {
+        thread_local std::vector<float> carry;  // the group's M x 32 sums between its parts
+        if (static_cast<int64_t>(carry.size()) < M * kGroup) carry.resize(M * kGroup);
+        for (int64_t g = g_lo; g < g_hi; ++g) {
+          // Past its last part, group g's tiles pull in the next group: g + 1, or past the
+          // piece's end the first group of the piece claimed now (none: -1, every piece is
+          // claimed or running).
+          const int64_t next = g + 1 < g_hi ? g + 1 : claim_next();
+          for (int64_t part = 0; part < shares; ++part) {
+            const int64_t kp0 = part ? part_end(part - 1) : 0, kp1 = part_end(part);
+            // What this part's tiles pull in: the group's next part, or the next group's first.
+            const char* lo = nullptr;
+            const char* hi = nullptr;
+            if (part + 1 < shares) {
+              lo = prefetch_base + g * group_bytes + kp1 * pair_bytes;
+              hi = prefetch_base + g * group_bytes + part_end(part + 1) * pair_bytes;
+            } else if (next >= 0) {
+              lo = prefetch_base + next * group_bytes;
+              hi = lo + part_end(0) * pair_bytes;
+            }
+            for (int64_t m = 0; m < M; m += tile_rows) {
+              const int64_t mb = std::min(tile_rows, M - m);
+              L2Prefetch pf;  // rows [m, m + mb)'s share of it, in proportion to their rows
+              if (lo) {
+                pf.next = lo + (hi - lo) * m / M / 64 * 64;
+                pf.end = lo + (hi - lo) * (m + mb) / M / 64 * 64;
               }
-              for (int64_t m = 0; m < M; m += tile_rows) {
-                const int64_t mb = std::min(tile_rows, M - m);
-                L2Prefetch pf;  // rows [m, m + mb)'s share of the next part, in proportion to its rows
-                if (lo) {
-                  pf.next = lo + (hi - lo) * m / M / 64 * 64;
-                  pf.end = lo + (hi - lo) * (m + mb) / M / 64 * 64;
-                }
-                one(g, m, mb, pf, KShare{kp0, kp1, carry.data() + m * kGroup, part == 0, part + 1 == shares});
-              }
+              one(g, m, mb, pf, KShare{kp0, kp1, carry.data() + m * kGroup, part == 0, part + 1 == shares});
             }
           }
-        });
-        return;
-      }
-    }
-    parallel_claimed_ahead(groups, piece, [&](int64_t g_lo, int64_t g_hi, const auto& claim_next) {
-      for (int64_t g = g_lo; g < g_hi; ++g) {
-        // Group g's tiles pull in the next group: g + 1, or past the piece's end the first
-        // group of the piece claimed now (none: -1, every piece is claimed or running).
-        const int64_t next = g + 1 < g_hi ? g + 1 : claim_next();
-        for (int64_t m = 0; m < M; m += tile_rows) {
-          const int64_t mb = std::min(tile_rows, M - m);
-          L2Prefetch pf;  // rows [m, m + mb)'s share of the next group, in proportion to its rows
-          if (next >= 0) {
-            const char* base = prefetch_base + next * group_bytes;
-            pf.next = base + group_bytes * m / M / 64 * 64;
-            pf.end = base + group_bytes * (m + mb) / M / 64 * 64;
-          }
-          one(g, m, mb, pf);
         }
-      }
-    });
+      });
+    }
     return;
   }
   if (M > 4) {
