@@ -2147,7 +2147,7 @@ inline void linear_rows_two_groups(int64_t mb, const uint16_t* x, int64_t ldx, c
 }
 
 constexpr int64_t kTileRows = 11;            // x rows per register tile (22 accumulators)
-constexpr int64_t kPassRows = 64;            // x rows per pass over a chunk of groups (they stay in L1/L2)
+constexpr int64_t kPassRows = 64;            // x rows per pass over a chunk of groups, at most (they stay in L2)
 constexpr int64_t kChunkBytes = 256 * 1024;  // weight bytes per chunk of groups (it stays in L2 for every pass)
 constexpr int64_t kPieceBytes = 128 * 1024;  // few rows: weight bytes per piece the threads claim (~10 us each)
 constexpr int64_t kL2Budget = 768 * 1024;    // bytes a thread's tiles may keep in L2 (1-2 MB a core)
@@ -2215,6 +2215,16 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
     ++shares;
   const bool prefetch = kShareable && prefetch_base && k_pairs > 0 && M > tile_rows && M <= kPassRows &&
                         (2 * group_bytes + x_bytes) / shares <= kL2Budget;
+  // x rows per pass over a chunk (the passes of a prefill's rows): kPassRows, or fewer
+  // (whole tiles) where a pass of them and the chunk would not fit the L2 budget together, so
+  // the chunk stays in L2 over every pass. The 1B-class down projection's 352 KB group beside
+  // 64 rows of 11 KB (1.06 MB, more than L2) now takes passes of 33 rows: 0.98-0.99x the
+  // time at 877 rows, the same bits (docs/BENCHMARKS.md, "Prefill passes that fit L2").
+  int64_t pass_rows = kPassRows;
+  if (M > 0 && x_bytes > 0) {
+    const int64_t room = (kL2Budget - std::min(kL2Budget, chunk * group_bytes)) / std::max<int64_t>(1, x_bytes / M);
+    pass_rows = std::min(kPassRows, std::max(tile_rows, room / tile_rows * tile_rows));
+  }
   auto run = [&](int64_t g_lo, int64_t g_hi) {
     if (M <= 4) {
       for (int64_t g = g_lo; g < g_hi; ++g) {
@@ -2229,8 +2239,8 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
     }
     for (int64_t c0 = g_lo; c0 < g_hi; c0 += chunk) {
       const int64_t c1 = std::min(g_hi, c0 + chunk);
-      for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
-        const int64_t m1 = std::min(M, m0 + kPassRows);
+      for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
+        const int64_t m1 = std::min(M, m0 + pass_rows);
         for (int64_t g = c0; g < c1; ++g)
           for (int64_t m = m0; m < m1; m += tile_rows) one(g, m, std::min(tile_rows, m1 - m), L2Prefetch{});
       }

@@ -186,7 +186,8 @@ def test_bf16_linear_rows_are_batch_invariant(n, k):
     an output with the one arithmetic. (3072, 2048): 96 groups, whose 12-64-row calls end in
     one-group pieces (parallel_claimed_ahead). K = 5633: 360 KB groups, which 12-64-row calls
     compute in two parts of K with the sums carried between them (KShare), the odd last input
-    in the second. Teeth: oneDNN's packed GEMM of the same bf16 weight does not (a row's bits
+    in the second, and calls of more than 64 rows in passes of 33 (a pass of 64 such rows
+    would not fit L2 beside the group). Teeth: oneDNN's packed GEMM of the same bf16 weight does not (a row's bits
     change with the row count)."""
     g = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=g).bfloat16()
