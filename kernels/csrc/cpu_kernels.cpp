@@ -2210,19 +2210,19 @@ void schedule_packed_linear(int64_t M, int64_t N, int64_t group_bytes, int64_t t
   // Only tiles that take a KShare prefetch (packed_linear_impl's; the 12-bit and int4 linears
   // pass no `prefetch_base`).
   constexpr bool kShareable = std::is_invocable_v<One, int64_t, int64_t, int64_t, L2Prefetch, KShare>;
+  const int64_t held = 2 * group_bytes + x_bytes;  // what a prefetching tile keeps in L2 in one part
   int64_t shares = 1;
-  while (kShareable && k_pairs >= 64 * (shares + 1) && shares < 8 && (2 * group_bytes + x_bytes) / shares > kL2Budget)
-    ++shares;
+  while (kShareable && k_pairs >= 64 * (shares + 1) && shares < 8 && held / shares > kL2Budget) ++shares;
   const bool prefetch = kShareable && prefetch_base && k_pairs > 0 && M > tile_rows && M <= kPassRows &&
-                        (2 * group_bytes + x_bytes) / shares <= kL2Budget;
+                        held / shares <= kL2Budget;
   // x rows per pass over a chunk (the passes of a prefill's rows): kPassRows, or fewer
   // (whole tiles) where a pass of them and the chunk would not fit the L2 budget together, so
   // the chunk stays in L2 over every pass. The 1B-class down projection's 352 KB group beside
   // 64 rows of 11 KB (1.06 MB, more than L2) now takes passes of 33 rows: 0.98-0.99x the
   // time at 877 rows, the same bits (docs/BENCHMARKS.md, "Prefill passes that fit L2").
   int64_t pass_rows = kPassRows;
-  if (M > 0 && x_bytes > 0) {
-    const int64_t room = (kL2Budget - std::min(kL2Budget, chunk * group_bytes)) / std::max<int64_t>(1, x_bytes / M);
+  if (M > 0 && x_bytes > 0) {  // x_bytes / M: a row's bytes
+    const int64_t room = (kL2Budget - std::min(kL2Budget, chunk * group_bytes)) / (x_bytes / M);
     pass_rows = std::min(kPassRows, std::max(tile_rows, room / tile_rows * tile_rows));
   }
   auto run = [&](int64_t g_lo, int64_t g_hi) {

@@ -181,14 +181,14 @@ def test_bf16_gemv_odd_shapes_and_thread_split():
 @pytest.mark.parametrize("n, k", [(96, 576), (53, 100), (7, 31), (200, 1536), (40, 2048), (3072, 2048), (70, 5633)])
 def test_bf16_linear_rows_are_batch_invariant(n, k):
     """A row's outputs are the same bits alone and among 1 to 150 rows, at any position in
-    the call: the register tiles of 11 rows, the passes of 64 rows, the few-row two-group
-    path, the tails, and (K = 2048) the copy of the rows the many-row tiles read all compute
-    an output with the one arithmetic. (3072, 2048): 96 groups, whose 12-64-row calls end in
-    one-group pieces (parallel_claimed_ahead). K = 5633: 360 KB groups, which 12-64-row calls
-    compute in two parts of K with the sums carried between them (KShare), the odd last input
-    in the second, and calls of more than 64 rows in passes of 33 (a pass of 64 such rows
-    would not fit L2 beside the group). Teeth: oneDNN's packed GEMM of the same bf16 weight does not (a row's bits
-    change with the row count)."""
+    the call: the register tiles of 11 rows, the passes of up to 64 rows, the few-row
+    two-group path, the tails, and (K = 2048) the copy of the rows the many-row tiles read all
+    compute an output with the one arithmetic. (3072, 2048): 96 groups, whose 12-64-row calls
+    end in one-group pieces (parallel_claimed_ahead). K = 5633: 360 KB groups, which 12-64-row
+    calls compute in two parts of K with the sums carried between them (KShare), the odd last
+    input in the second, and calls of more than 64 rows in passes of 33 (a pass of 64 such
+    rows would not fit L2 beside the group). Teeth: oneDNN's packed GEMM of the same bf16
+    weight does not (a row's bits change with the row count)."""
     g = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
