@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from loadtest.machine import OtherCpu
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Goals of issue 2 (ratios measured in one run).
@@ -437,36 +439,6 @@ def bench_hf(args, path: Path, prompts: list[str]) -> dict:
 
 
 # ----------------------------------------------------------------------------- report
-
-
-class OtherCpu:
-    """CPU used by other processes since construction, in cores (Linux /proc; else None).
-
-    other = (busy CPU seconds of the whole machine - this process's user+system seconds)
-            / wall seconds, busy = user + nice + system + irq + softirq from /proc/stat.
-    """
-
-    def __init__(self) -> None:
-        self._start = self._sample()
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float] | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(x) for x in f.readline().split()[1:8]]
-        except (OSError, ValueError):
-            return None
-        user, nice, system, _idle, _iowait, irq, softirq = fields
-        busy = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-        own = os.times()
-        return busy, own.user + own.system, time.perf_counter()
-
-    def cores(self) -> float | None:
-        end = self._sample()
-        if self._start is None or end is None:
-            return None
-        busy, own, wall = (e - s for e, s in zip(end, self._start))
-        return max(0.0, busy - own) / wall if wall > 0 else None
 
 
 @dataclass(slots=True)

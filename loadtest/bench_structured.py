@@ -51,7 +51,8 @@ from typing import Any
 
 import torch
 
-from loadtest.bench_offline import OtherCpu, Report, _check, log
+from loadtest.bench_offline import Report, _check, log
+from loadtest.machine import OtherCpu
 
 GOAL_THROUGHPUT_FRACTION = 0.90  # batch 32 constrained tok/s >= 90% of unconstrained
 GOAL_ADDED_MS_PER_TOKEN = 1.0  # batch 1: < 1 ms added per output token

@@ -4,12 +4,16 @@ On a shared machine another process's CPU use skews every figure, so each run re
 other = (busy CPU seconds of the whole machine - this process's - the server's) / wall
 seconds, busy = user + nice + system + irq + softirq from /proc/stat. The server's share
 is known only for a server this tool started (its pid); for --base-url it counts as other.
+A server started by loadtest/processes.py leads its own session, and its share is that
+whole session's: vLLM's engine core is a second process, whose ~1.7-1.9 cores under load
+were reported as other work before.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 
 
 def _busy_seconds() -> float | None:
@@ -38,6 +42,42 @@ def _process_seconds(pid: int) -> float | None:
     return _stat_seconds(f"/proc/{pid}/stat", 4)
 
 
+def _session_processes(session_id: int) -> Iterator[tuple[str, list[str]]]:
+    """(pid, the fields of its /proc stat after the name) of every process in session
+    `session_id` that can still be read."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                after_name = f.read().rsplit(")", 1)[1].split()
+            if int(after_name[3]) == session_id:  # field 6 of stat: the session id
+                yield entry, after_name
+        except (OSError, IndexError, ValueError):
+            continue
+
+
+def _session_seconds(session_id: int) -> float | None:
+    """user + system seconds (reaped children's included) of every process in session
+    `session_id`; None where none can be read. A process that ends between two readings and
+    is not reaped inside the session takes its seconds with it."""
+    fields = [after_name[11:15] for _pid, after_name in _session_processes(session_id)]
+    if not fields:
+        return None
+    return sum(int(x) for f in fields for x in f) / os.sysconf("SC_CLK_TCK")
+
+
+def server_seconds(pid: int) -> float | None:
+    """CPU seconds of a server: its whole session where it leads one (loadtest/processes.py
+    starts servers so: vLLM's engine core, Pagoda's tensor-parallel ranks), else the process
+    with its reaped children."""
+    try:
+        leads = os.getsid(pid) == pid
+    except OSError:
+        return None
+    return _session_seconds(pid) if leads else _process_seconds(pid)
+
+
 def thread_seconds(pid: int, tid: int) -> float | None:
     """user + system seconds of thread `tid` of process `pid` (its main thread: tid = pid)."""
     return _stat_seconds(f"/proc/{pid}/task/{tid}/stat", 2)
@@ -55,7 +95,7 @@ class OtherCpu:
         if busy is None:
             return None
         own = os.times()
-        server = _process_seconds(self.server_pid) if self.server_pid else 0.0
+        server = server_seconds(self.server_pid) if self.server_pid else 0.0
         return busy, own.user + own.system, server or 0.0, time.perf_counter()
 
     def cores(self) -> float | None:
@@ -73,15 +113,9 @@ def session_memory_mib(session_id: int) -> float | None:
     PSS splits pages shared between them, so shared libraries and shared memory count once.
     None where /proc has no smaps_rollup."""
     total_kib, found = 0, False
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, _fields in _session_processes(session_id):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                after_name = f.read().rsplit(")", 1)[1].split()
-            if int(after_name[3]) != session_id:  # field 6 of stat: the session id
-                continue
-            with open(f"/proc/{entry}/smaps_rollup") as f:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
                 for line in f:
                     if line.startswith("Pss:"):
                         total_kib += int(line.split()[1])

@@ -199,7 +199,8 @@ def markdown(doc: dict, md_path: Path | None = None) -> str:
     lines.append("- Latencies in ms; TTFT = time to first token, TPOT = time per output token after the first, "
                  "ITL = gap between streamed chunks, e2e = whole request. Throughput counts the "
                  "server-reported output tokens of completed requests over the run's wall time. "
-                 "`other CPU` is what other processes used meanwhile (0 on an idle machine; "
+                 "`other CPU` is what processes other than this client and the server's session "
+                 "(its worker processes, e.g. vLLM's engine core) used meanwhile (0 on an idle machine; "
                  "above ~0.1 the figures are skewed); with --base-url it includes the server.")
     lines.append("")
     ran = [s for s in servers if s["runs"]]

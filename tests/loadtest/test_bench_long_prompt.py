@@ -1,16 +1,20 @@
 """The long-prompt scenario's arithmetic (loadtest/bench_long_prompt.py), the vLLM peer's
-start-up recipe, and the per-server memory reading, without starting a server."""
+start-up recipe, and the per-server memory and CPU readings, without starting a server."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from loadtest.bench_long_prompt import stall_summary, token_times
 from loadtest.client import RequestResult
-from loadtest.machine import session_memory_mib
+from loadtest.machine import _process_seconds, server_seconds, session_memory_mib
 from loadtest.servers import PORT, Skipped, vllm_spec
 
 
@@ -71,3 +75,31 @@ def test_session_memory_counts_this_session():
     mib = session_memory_mib(os.getsid(0))
     assert mib is not None and mib > 10  # at least this Python process
     assert session_memory_mib(2**22 + 12345) is None  # no such session
+
+
+def test_server_cpu_counts_the_workers_in_its_session(tmp_path):
+    """A server that leads its session (loadtest/processes.py starts them so) with a worker
+    process that is not reaped while the run goes on, as vLLM's engine core: the worker's
+    CPU seconds are the server's (loadtest/machine.py OtherCpu), not other work. Before, only
+    the leading process counted, and vLLM's runs reported its engine core as 1.7-1.9 cores
+    of other work."""
+    ready = tmp_path / "burned"
+    worker = ("import time, pathlib\n"
+              "while time.process_time() < 0.5: pass\n"
+              f"pathlib.Path({str(ready)!r}).write_text('x')\n"
+              "time.sleep(60)\n")
+    leader = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {worker!r}]).wait()"],
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and leader.poll() is None, "the worker did not burn its 0.5 s"
+            time.sleep(0.05)
+        own = _process_seconds(leader.pid)
+        whole = server_seconds(leader.pid)
+        assert own is not None and whole is not None
+        assert whole >= own + 0.45  # the worker's 0.5 s of CPU (clock ticks of 10 ms)
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
