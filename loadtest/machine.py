@@ -5,8 +5,7 @@ other = (busy CPU seconds of the whole machine - this process's - the server's) 
 seconds, busy = user + nice + system + irq + softirq from /proc/stat. The server's share
 is known only for a server this tool started (its pid); for --base-url it counts as other.
 A server started by loadtest/processes.py leads its own session, and its share is that
-whole session's: vLLM's engine core is a second process, whose ~1.7-1.9 cores under load
-were reported as other work before.
+whole session's (vLLM's engine core is a second process in it).
 """
 
 from __future__ import annotations
@@ -26,15 +25,26 @@ def _busy_seconds() -> float | None:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-def _stat_seconds(path: str, fields: int) -> float | None:
-    """The sum of the first `fields` CPU-time fields (utime, stime, cutime, cstime) of a
-    /proc `stat` file, in seconds; None if it cannot be read."""
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields of a /proc `stat` file after the process name (field 3 on, at index 0);
+    None if it cannot be read."""
     try:
         with open(path) as f:
-            after_name = f.read().rsplit(")", 1)[1].split()
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def _cpu_seconds(after_name: list[str], fields: int) -> float:
+    """The sum of the first `fields` CPU-time fields (utime, stime, cutime, cstime) of
+    `_stat_fields`' list, in seconds."""
     return sum(int(x) for x in after_name[11 : 11 + fields]) / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_seconds(path: str, fields: int) -> float | None:
+    """`_cpu_seconds` of a /proc `stat` file; None if it cannot be read."""
+    after_name = _stat_fields(path)
+    return None if after_name is None else _cpu_seconds(after_name, fields)
 
 
 def _process_seconds(pid: int) -> float | None:
@@ -43,17 +53,15 @@ def _process_seconds(pid: int) -> float | None:
 
 
 def _session_processes(session_id: int) -> Iterator[tuple[str, list[str]]]:
-    """(pid, the fields of its /proc stat after the name) of every process in session
-    `session_id` that can still be read."""
+    """(pid, `_stat_fields`) of every process in session `session_id` that can still be read."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        after_name = _stat_fields(f"/proc/{entry}/stat")
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                after_name = f.read().rsplit(")", 1)[1].split()
-            if int(after_name[3]) == session_id:  # field 6 of stat: the session id
+            if after_name is not None and int(after_name[3]) == session_id:  # field 6: the session id
                 yield entry, after_name
-        except (OSError, IndexError, ValueError):
+        except (IndexError, ValueError):
             continue
 
 
@@ -61,10 +69,10 @@ def _session_seconds(session_id: int) -> float | None:
     """user + system seconds (reaped children's included) of every process in session
     `session_id`; None where none can be read. A process that ends between two readings and
     is not reaped inside the session takes its seconds with it."""
-    fields = [after_name[11:15] for _pid, after_name in _session_processes(session_id)]
-    if not fields:
+    processes = list(_session_processes(session_id))
+    if not processes:
         return None
-    return sum(int(x) for f in fields for x in f) / os.sysconf("SC_CLK_TCK")
+    return sum(_cpu_seconds(after_name, 4) for _pid, after_name in processes)
 
 
 def server_seconds(pid: int) -> float | None:
